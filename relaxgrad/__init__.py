@@ -1,0 +1,7 @@
+"""relaxgrad: reverse-mode automatic differentiation for Apache TVM's Relax IR."""
+
+from .errors import GradientError
+from .ops import get_gradient, register_gradient, registered_ops
+from .transforms import Gradient
+
+__all__ = ["Gradient", "GradientError", "get_gradient", "register_gradient", "registered_ops"]

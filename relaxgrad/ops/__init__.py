@@ -1,0 +1,8 @@
+"""relaxgrad's gradient rules: one registry, one module per op family."""
+
+from .registry import get_gradient, register_gradient, register_no_grad, registered_ops
+
+__all__ = ["get_gradient", "register_gradient", "register_no_grad", "registered_ops"]
+
+# Importing the families registers their rules.
+from . import binary, linear_algebra, manipulate, nn, statistical  # noqa: E402, F401

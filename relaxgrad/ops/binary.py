@@ -1,0 +1,79 @@
+"""Rules for elementwise binary ops (relax.op.binary): arithmetic, comparison, logical."""
+
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax.op import greater_equal, less, log, where
+
+from ._utils import const, fit_shape
+from .registry import register_gradient, register_no_grad
+
+
+def _binary(fn):
+    """Build a rule from ``fn(x, y, z, g) -> (dx, dy)``; each partial is reduced to its input's
+    shape (undoing broadcasting)."""
+
+    def rule(orig_var, orig_call, output_grad, ctx):
+        x, y = orig_call.args
+        dx, dy = fn(x, y, orig_var, output_grad)
+        return [fit_shape(ctx, dx, x), fit_shape(ctx, dy, y)]
+
+    rule.__doc__ = fn.__doc__
+    return rule
+
+
+@register_gradient("relax.add")
+@_binary
+def add_grad(x, y, z, g):
+    """Forward: ``z = x + y``; backward: ``[g, g]``."""
+    return g, g
+
+
+@register_gradient("relax.subtract")
+@_binary
+def subtract_grad(x, y, z, g):
+    """Forward: ``z = x - y``; backward: ``[g, -g]``."""
+    return g, -g
+
+
+@register_gradient("relax.multiply")
+@_binary
+def multiply_grad(x, y, z, g):
+    """Forward: ``z = x * y``; backward: ``[g * y, g * x]``."""
+    return g * y, g * x
+
+
+@register_gradient("relax.divide")
+@_binary
+def divide_grad(x, y, z, g):
+    """Forward: ``z = x / y``; backward: ``[g / y, -g * z / y]``."""
+    return g / y, -g * z / y
+
+
+@register_gradient("relax.power")
+@_binary
+def power_grad(x, y, z, g):
+    """Forward: ``z = x ** y``; backward: ``[g * y * x ** (y - 1), g * z * log(x)]``."""
+    return g * y * (x ** (y - const(1, y))), g * z * log(x)
+
+
+@register_gradient("relax.maximum")
+@_binary
+def maximum_grad(x, y, z, g):
+    """Forward: ``z = maximum(x, y)``; backward: ``[where(x < y, 0, g), where(x >= y, 0, g)]``."""
+    zero = const(0, x)
+    return where(less(x, y), zero, g), where(greater_equal(x, y), zero, g)
+
+
+@register_gradient("relax.minimum")
+@_binary
+def minimum_grad(x, y, z, g):
+    """Forward: ``z = minimum(x, y)``; backward: ``[where(x >= y, 0, g), where(x < y, 0, g)]``."""
+    zero = const(0, x)
+    return where(greater_equal(x, y), zero, g), where(less(x, y), zero, g)
+
+
+register_no_grad(
+    f"relax.{name}"
+    for name in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal")
+)

@@ -1,0 +1,73 @@
+"""The one table of gradient rules.
+
+A rule has TVM's FPrimalGradient signature::
+
+    rule(orig_var, orig_call, output_grad, ctx: BlockBuilder) -> list[Expr]
+
+returning one partial per argument of ``orig_call`` (``relax.op.grad.no_grad(arg)`` where the
+argument gets no gradient). ``orig_var``/``orig_call`` are the checkpointed forward binding, so a
+rule may reuse the forward result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from tvm import relax
+from tvm.ir import Op
+from tvm.relax import BlockBuilder, Call, Expr, Var
+
+Rule = Callable[[Var, Call, Expr, BlockBuilder], Sequence[Expr]]
+
+_RULES: dict[str, Rule] = {}
+
+
+def _op_name(op: Op | str) -> str:
+    return op if isinstance(op, str) else str(op.name)
+
+
+def register_gradient(op_name: str, rule: Rule | None = None, *, override: bool = False):
+    """Register ``rule`` as the gradient of the Relax op ``op_name`` (usable as a decorator).
+
+    Parameters
+    ----------
+    op_name : str
+        Full op name, e.g. ``"relax.exp"``. It must be a registered TVM op.
+    rule : Rule, optional
+        The rule; when omitted, returns a decorator.
+    override : bool
+        Replace an existing rule instead of raising.
+    """
+
+    def _register(fn: Rule) -> Rule:
+        Op.get(op_name)  # raises on a name TVM does not know
+        if op_name in _RULES and not override:
+            raise ValueError(f"relaxgrad: a gradient for {op_name} is already registered")
+        _RULES[op_name] = fn
+        return fn
+
+    return _register(rule) if rule is not None else _register
+
+
+def get_gradient(op: Op | str) -> Rule | None:
+    """relaxgrad's own rule for ``op`` (an Op or its name), or None."""
+    return _RULES.get(_op_name(op))
+
+
+def registered_ops() -> list[str]:
+    """Sorted names of every op with a relaxgrad rule."""
+    return sorted(_RULES)
+
+
+def no_grad_rule(orig_var: Var, orig_call: Call, output_grad: Expr, ctx: BlockBuilder) -> list:
+    """Rule of ops whose result does not depend differentiably on any input.
+
+    Forward: ``y = op(x1, ..., xn)``; backward: ``[no_grad(x1), ..., no_grad(xn)]``.
+    """
+    return [relax.op.grad.no_grad(arg) for arg in orig_call.args]
+
+
+def register_no_grad(op_names: Iterable[str]) -> None:
+    """Register :func:`no_grad_rule` for a whole family of ops."""
+    for name in op_names:
+        register_gradient(name, no_grad_rule)

@@ -1,0 +1,5 @@
+"""relaxgrad's passes."""
+
+from .gradient import Gradient
+
+__all__ = ["Gradient"]

@@ -1,0 +1,156 @@
+"""The adjoint store: forward var -> adjoint var, with tuple-aware accumulation.
+
+Adjoints of tuples travel as *nested messages*: ``None`` (no adjoint yet), a tensor ``Expr``
+(a leaf), or a Python ``tuple`` of messages. This mirrors TVM's ``NestedMsg<Expr>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import relax
+from tvm.ir import Type
+from tvm.relax import BlockBuilder, Expr, Var
+
+from .. import _ty
+from ..errors import GradientError
+
+Msg = Expr | tuple | None
+
+_NO_GRAD = None  # resolved lazily: tvm.ir.Op.get("relax.grad.no_grad")
+
+
+def is_no_grad(expr: Expr) -> bool:
+    """Whether ``expr`` is a ``relax.grad.no_grad(...)`` marker returned by a rule."""
+    global _NO_GRAD
+    if _NO_GRAD is None:
+        _NO_GRAD = relax.op.grad.no_grad(relax.const(0.0)).op
+    return isinstance(expr, relax.Call) and expr.op.same_as(_NO_GRAD)
+
+
+def to_msg(expr: Expr, ty: Type | None = None) -> Msg:
+    """Split ``expr`` into a nested message following its (tuple) type."""
+    ty = _ty.type_of(expr) if ty is None else ty
+    if _ty.is_tuple(ty):
+        fields = expr.fields if isinstance(expr, relax.Tuple) else None
+        return tuple(
+            to_msg(fields[i] if fields is not None else relax.TupleGetItem(expr, i), fty)
+            for i, fty in enumerate(ty.fields)
+        )
+    if not _ty.is_tensor(ty):
+        raise GradientError(f"Gradient: the adjoint leaf {expr} must be a Tensor, but has type {ty}")
+    return expr
+
+
+def msg_to_expr(msg: Msg) -> Expr:
+    """The expr of a message; ``(t[0], ..., t[n-1])`` of one var ``t`` folds back to ``t``."""
+    if isinstance(msg, tuple):
+        fields = [msg_to_expr(m) for m in msg]
+        if fields and all(
+            isinstance(f, relax.TupleGetItem) and f.index == i for i, f in enumerate(fields)
+        ):
+            source = fields[0].tuple_value
+            if all(f.tuple_value.same_as(source) for f in fields):
+                return source
+        return relax.Tuple(fields)
+    if msg is None:
+        raise GradientError("Gradient: internal error, an empty adjoint message reached an output")
+    return msg
+
+
+def combine(lhs: Msg, rhs: Msg, fn: Callable[[Expr, Expr], Expr]) -> Msg:
+    """Combine two messages leaf by leaf (``None`` is the identity)."""
+    if lhs is None:
+        return rhs
+    if rhs is None:
+        return lhs
+    if isinstance(lhs, tuple) and isinstance(rhs, tuple) and len(lhs) == len(rhs):
+        return tuple(combine(a, b, fn) for a, b in zip(lhs, rhs))
+    if not isinstance(lhs, tuple) and not isinstance(rhs, tuple):
+        return fn(lhs, rhs)
+    raise GradientError(f"Gradient: cannot add adjoints of different structure: {lhs} and {rhs}")
+
+
+def decompose(expr: Expr, msg: Msg, visit_leaf: Callable[[Expr, Msg], None]) -> None:
+    """Walk ``expr`` (maybe a tuple literal) and ``msg`` together, calling ``visit_leaf``."""
+    if isinstance(expr, relax.Tuple):
+        if not isinstance(msg, tuple) or len(msg) != len(expr.fields):
+            raise GradientError(f"Gradient: adjoint {msg} does not match the tuple {expr}")
+        for field, sub in zip(expr.fields, msg):
+            decompose(field, sub, visit_leaf)
+    else:
+        visit_leaf(expr, msg)
+
+
+def tuple_aware_add(lhs: Expr, rhs: Expr) -> Expr:
+    """``lhs + rhs`` for tensors or (nested) tuples of tensors of the same structure."""
+    return msg_to_expr(combine(to_msg(lhs), to_msg(rhs), relax.op.add))
+
+
+def add_in_tuple(tuple_expr: Expr, index: int, increment: Expr) -> Expr:
+    """A tuple equal to ``tuple_expr`` with ``increment`` added to field ``index``."""
+    fields = []
+    for i in range(len(_ty.tuple_fields(tuple_expr))):
+        if isinstance(tuple_expr, relax.Tuple):
+            field = tuple_expr.fields[i]
+        else:
+            field = relax.TupleGetItem(tuple_expr, i)
+        fields.append(tuple_aware_add(field, increment) if i == index else field)
+    return relax.Tuple(fields)
+
+
+def nested_zeros(ty: Type, what: str = "") -> Expr:
+    """Zeros of a tensor type, or a (nested) tuple of zeros for a tuple type."""
+    if _ty.is_tuple(ty):
+        return relax.Tuple([nested_zeros(f, what) for f in ty.fields])
+    if not _ty.is_tensor(ty) or _ty.shape_of(ty) is None:
+        raise GradientError(
+            f"Gradient: cannot build a zero adjoint for {what or 'a value'} of type {ty}: "
+            "a tensor with known shape is needed"
+        )
+    return relax.op.zeros(_ty.shape_of(ty), _ty.dtype_of(ty))
+
+
+class AdjointStore:
+    """Maps forward vars to the var holding their (accumulated) adjoint, emitting into ``bb``."""
+
+    def __init__(self, bb: BlockBuilder):
+        self.bb = bb
+        self.adjoints: dict[Var, Var] = {}
+
+    def __contains__(self, var: Var) -> bool:
+        return var in self.adjoints
+
+    def __getitem__(self, var: Var) -> Var:
+        return self.adjoints[var]
+
+    def emit(self, source: Var, adjoint: Expr, is_output: bool = False) -> Var:
+        """Bind ``adjoint`` as ``<source>_adjoint`` (or ``<source>_adjoint_out`` as output)."""
+        name = source.name
+        if is_output:
+            return self.bb.emit_output(adjoint, name + "_adjoint_out")
+        var = self.bb.emit(adjoint, name + "_adjoint")
+        self.adjoints[source] = var
+        return var
+
+    def update(self, expr: Expr, partial: Expr) -> None:
+        """Add ``partial`` to the adjoint of ``expr`` (a var, constant, or tuple of them)."""
+        bb = self.bb
+        msg = to_msg(bb.normalize(partial))
+
+        def visit_leaf(leaf: Expr, leaf_msg: Msg) -> None:
+            if isinstance(leaf, relax.Var):
+                value = bb.normalize(msg_to_expr(leaf_msg))
+                if leaf in self.adjoints:
+                    value = tuple_aware_add(self.adjoints[leaf], value)
+                self.emit(leaf, value)
+            elif isinstance(leaf, relax.ShapeExpr):
+                if not is_no_grad(partial):
+                    raise GradientError(f"Gradient: the shape {leaf} cannot receive a gradient")
+            elif not isinstance(leaf, _ty.Constant):
+                raise GradientError(
+                    f"Gradient: cannot propagate an adjoint to {leaf}: only Vars, Constants and "
+                    "tuples of them are supported as arguments"
+                )
+
+        decompose(expr, msg, visit_leaf)
