@@ -5,4 +5,4 @@ from .registry import get_gradient, register_gradient, register_no_grad, registe
 __all__ = ["get_gradient", "register_gradient", "register_no_grad", "registered_ops"]
 
 # Importing the families registers their rules.
-from . import binary, linear_algebra, manipulate, nn, statistical  # noqa: E402, F401
+from . import binary, linear_algebra, manipulate, nn, search, statistical, unary  # noqa: E402, F401

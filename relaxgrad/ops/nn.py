@@ -9,6 +9,12 @@ from ._utils import const
 from .registry import register_gradient
 
 
+@register_gradient("relax.nn.softmax")
+def softmax_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = softmax(x, axis)``; backward: ``[(g - sum(g * y, axis)) * y]``."""
+    return [(output_grad - sum(output_grad * orig_var, orig_call.attrs.axis, True)) * orig_var]
+
+
 @register_gradient("relax.nn.log_softmax")
 def log_softmax_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = log_softmax(x, axis)``; backward: ``[g - sum(g, axis) * exp(y)]``."""
