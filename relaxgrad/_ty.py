@@ -84,3 +84,12 @@ def nested_all(ty: Type, pred) -> bool:
 
 # TVM 0.27 moved the constant node to tvm.ir; relax has no alias for it.
 Constant = tvm.ir.Constant
+
+
+def key(node) -> int:
+    """A cheap identity key for an IR node, for dicts and sets.
+
+    Python wrappers of the same node are distinct objects whose ``__eq__`` is slow (it checks
+    for primitive-typed expressions), so hot maps key nodes by their C++ handle instead.
+    """
+    return node.__chandle__()

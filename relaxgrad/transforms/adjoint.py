@@ -116,13 +116,13 @@ class AdjointStore:
 
     def __init__(self, bb: BlockBuilder):
         self.bb = bb
-        self.adjoints: dict[Var, Var] = {}
+        self.adjoints: dict[int, Var] = {}  # _ty.key(forward var) -> adjoint var
 
     def __contains__(self, var: Var) -> bool:
-        return var in self.adjoints
+        return _ty.key(var) in self.adjoints
 
     def __getitem__(self, var: Var) -> Var:
-        return self.adjoints[var]
+        return self.adjoints[_ty.key(var)]
 
     def emit(self, source: Var, adjoint: Expr, is_output: bool = False) -> Var:
         """Bind ``adjoint`` as ``<source>_adjoint`` (or ``<source>_adjoint_out`` as output)."""
@@ -130,7 +130,7 @@ class AdjointStore:
         if is_output:
             return self.bb.emit_output(adjoint, name + "_adjoint_out")
         var = self.bb.emit(adjoint, name + "_adjoint")
-        self.adjoints[source] = var
+        self.adjoints[_ty.key(source)] = var
         return var
 
     def update(self, expr: Expr, partial: Expr) -> None:
@@ -141,8 +141,8 @@ class AdjointStore:
         def visit_leaf(leaf: Expr, leaf_msg: Msg) -> None:
             if isinstance(leaf, relax.Var):
                 value = bb.normalize(msg_to_expr(leaf_msg))
-                if leaf in self.adjoints:
-                    value = tuple_aware_add(self.adjoints[leaf], value)
+                if leaf in self:
+                    value = tuple_aware_add(self[leaf], value)
                 self.emit(leaf, value)
             elif isinstance(leaf, relax.ShapeExpr):
                 if not is_no_grad(partial):

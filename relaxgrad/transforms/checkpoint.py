@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.ir import Op
 from tvm.relax import BlockBuilder, Expr, Var
 
+from .. import _ty
 from ..errors import GradientError
 
 
@@ -130,21 +131,23 @@ class Regenerator:
 
     def __init__(self, bb: BlockBuilder, params, info: CheckpointInfo):
         self.bb = bb
-        self.cp_map: dict[Var, Var] = {p: p for p in params}
-        self.values: dict[Var, Expr] = {}
+        # keyed by _ty.key(forward var)
+        self.cp_map: dict[int, Var] = {_ty.key(p): p for p in params}
+        self.values: dict[int, Expr] = {}
         for b in info.bindings:
-            self.values[b.var] = b.value
-            if info.is_checkpointed(b.var):
-                self.cp_map[b.var] = b.var
+            var = b.var
+            self.values[_ty.key(var)] = b.value
+            if info.is_checkpointed(var):
+                self.cp_map[_ty.key(var)] = var
 
     def update_binding(self, var: Var, value: Expr) -> tuple[Var, Expr]:
         """The checkpointed (var, value) for the forward binding ``var = value``."""
         new_value = self.visit(value)
-        cp = self.cp_map.get(var)
+        cp = self.cp_map.get(_ty.key(var))
         if cp is not None:
             return cp, new_value
         cp = self.bb.emit(new_value, var.name + "_cp")
-        self.cp_map[var] = cp
+        self.cp_map[_ty.key(var)] = cp
         return cp, new_value
 
     def visit(self, expr: Expr) -> Expr:
@@ -166,11 +169,12 @@ class Regenerator:
         return expr
 
     def visit_var(self, var: Var) -> Var:
-        cp = self.cp_map.get(var)
+        k = _ty.key(var)
+        cp = self.cp_map.get(k)
         if cp is not None:
             return cp
-        if var not in self.values:
+        if k not in self.values:
             raise GradientError(f"Gradient: {var.name} is used but not defined in the block")
-        cp = self.bb.emit(self.visit(self.values[var]), var.name + "_cp")
-        self.cp_map[var] = cp
+        cp = self.bb.emit(self.visit(self.values[k]), var.name + "_cp")
+        self.cp_map[k] = cp
         return cp

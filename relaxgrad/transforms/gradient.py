@@ -13,7 +13,7 @@ from .. import _ty
 from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import collect_checkpoints
-from .simplify import simplify_gradient
+from .simplify import remove_unused, simplify_gradient
 
 __all__ = ["Gradient", "gradient_module"]
 
@@ -81,19 +81,22 @@ def gradient_module(
     else:
         grads = _map_require_grads(require_grads, var_map, func_name)
     target = _target(info.ret, target_index, func_name)
+    with_grad = Op.get("relax.call_tir_with_grad")
+    has_call_tir_with_grad = False
     for binding in info.bindings:
         bb.emit_normalized(binding)
+        value = binding.value
+        if isinstance(value, relax.Call) and value.op.same_as(with_grad):
+            has_call_tir_with_grad = True
     ret = BackwardWalk(bb, func_name, params, info).run(target, grads, info.ret)
     body = bb.normalize(relax.SeqExpr([bb._end_block()], ret))
     bb.end_scope()
     adjoint = Function(params, body, None, copied.is_pure, copied.attrs)
-    adjoint = _eliminate_call_tir_with_grad(adjoint)
-    adjoint = relax.analysis.remove_all_unused(adjoint)
+    if has_call_tir_with_grad:
+        adjoint = _eliminate_call_tir_with_grad(adjoint)
+    adjoint = remove_unused(adjoint)
     adjoint = simplify_gradient(adjoint)
-    adjoint_name = func_name + "_adjoint"
-    adjoint = adjoint.with_attr("global_symbol", adjoint_name)
-    bb.add_func(adjoint, adjoint_name)
-    return bb.get()
+    return _add_function(bb.get(), adjoint, func_name + "_adjoint")
 
 
 def _lookup(mod: IRModule, func_name: str) -> Function:
@@ -109,6 +112,14 @@ def _lookup(mod: IRModule, func_name: str) -> Function:
             f"Gradient: {func_name!r} is a {type(func).__name__}, not a Relax function"
         )
     return func
+
+
+def _add_function(mod: IRModule, func: Function, name: str) -> IRModule:
+    """``mod`` with ``func`` as public function ``name`` (replacing one of that name)."""
+    func = func.with_attr("global_symbol", name)
+    existing = [gv for gv in mod.get_global_vars() if gv.name_hint == name]
+    mod[existing[0] if existing else tvm.ir.GlobalVar(name)] = func
+    return mod
 
 
 def _shallow_copy(mod: IRModule) -> IRModule:

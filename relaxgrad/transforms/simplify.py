@@ -1,6 +1,7 @@
-"""Simplify the transpose/matmul patterns the gradient pass creates (TVM's gradient_simplifier).
+"""Clean-ups of the adjoint function: dead bindings, and TVM's gradient_simplifier.
 
-Rewrites, with ``T(a)`` a permute_dims that swaps the last two axes:
+:func:`remove_unused` drops bindings the result does not need. :func:`simplify_gradient`
+rewrites the transpose/matmul patterns the gradient pass creates, with ``T(a)`` a permute_dims that swaps the last two axes:
 
 1. ``T(T(a))`` -> ``a`` (uses of the binding are replaced by ``a``);
 2. ``T(matmul(a, b))`` -> ``matmul(T(b), T(a))``, where ``T`` of a var bound to ``T(c)`` is ``c``.
@@ -41,14 +42,43 @@ def _transpose_of(expr):
     return relax.op.permute_dims(expr, list(range(ndim - 2)) + [ndim - 1, ndim - 2])
 
 
+def remove_unused(func: Function) -> Function:
+    """``func`` without the bindings of its dataflow block that its result does not use.
+
+    Same result as ``relax.analysis.remove_all_unused`` on a single dataflow block, in time
+    linear in the number of bindings.
+    """
+    block = func.body.blocks[0]
+    bindings = list(block.bindings)
+    live = {_ty.key(v) for v in relax.analysis.free_vars(func.body.body)}
+    keep = []
+    for b in reversed(bindings):
+        if _ty.key(b.var) in live:
+            keep.append(b)
+            live.update(_ty.key(v) for v in relax.analysis.free_vars(b.value))
+    if len(keep) == len(bindings):
+        return func
+    keep.reverse()
+    body = relax.BlockBuilder().normalize(relax.SeqExpr([relax.DataflowBlock(keep)], func.body.body))
+    return Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
 def _has_pattern(bindings) -> bool:
-    bound = {b.var: b.value for b in bindings}
-    matmul = Op.get("relax.matmul")
+    """Cheap pre-scan: a permute_dims of a var bound to permute_dims or matmul."""
+    permute, matmul = Op.get("relax.permute_dims"), Op.get("relax.matmul")
+    candidates = set()  # keys of vars bound to permute_dims or matmul
     for b in bindings:
-        if _is_transpose(b.value) and isinstance(b.value.args[0], relax.Var):
-            prev = bound.get(b.value.args[0])
-            if _is_transpose(prev) or (isinstance(prev, relax.Call) and prev.op.same_as(matmul)):
+        value = b.value
+        if not isinstance(value, relax.Call):
+            continue
+        op = value.op
+        if op.same_as(permute):
+            arg = value.args[0]
+            if _ty.key(arg) in candidates and _is_transpose(value):
                 return True
+            candidates.add(_ty.key(b.var))
+        elif op.same_as(matmul):
+            candidates.add(_ty.key(b.var))
     return False
 
 
@@ -93,4 +123,4 @@ def simplify_gradient(func: Function) -> Function:
     body = bb.normalize(relax.SeqExpr([bb._end_block()], substitute(func.body.body, remap)))
     bb.end_scope()
     new_func = relax.Function(func.params, body, None, func.is_pure, func.attrs)
-    return relax.analysis.remove_all_unused(new_func)
+    return remove_unused(new_func)
