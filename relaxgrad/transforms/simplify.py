@@ -89,37 +89,40 @@ def simplify_gradient(func: Function) -> Function:
         return func
     matmul = Op.get("relax.matmul")
     bb = relax.BlockBuilder()
-    bound: dict = {}  # var -> value as emitted in the new block
     remap: dict = {}
 
     def transpose_in_ctx(expr):
-        prev = bound.get(expr) if isinstance(expr, relax.Var) else None
+        prev = bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
         return prev.args[0] if _is_transpose(prev) else _transpose_of(expr)
+
+    def rewrite(value):
+        """The simplified value, or None when no rule applies."""
+        if not (_is_transpose(value) and isinstance(value.args[0], relax.Var)):
+            return None
+        prev = bb.lookup_binding(value.args[0])
+        if _is_transpose(prev):
+            return prev.args[0]  # rule 1
+        if isinstance(prev, relax.Call) and prev.op.same_as(matmul):
+            a, c = transpose_in_ctx(prev.args[0]), transpose_in_ctx(prev.args[1])
+            return relax.op.matmul(c, a, prev.attrs.out_dtype)  # rule 2
+        return None
 
     bb.begin_scope(list(func.params))
     bb._begin_dataflow_block()
     for b in block.bindings:
         value = substitute(b.value, remap)
-        result = value
-        if _is_transpose(value) and isinstance(value.args[0], relax.Var):
-            prev = bound.get(value.args[0])
-            if _is_transpose(prev):
-                result = prev.args[0]
-            elif isinstance(prev, relax.Call) and prev.op.same_as(matmul):
-                a = transpose_in_ctx(prev.args[0])
-                c = transpose_in_ctx(prev.args[1])
-                result = relax.op.matmul(c, a, prev.attrs.out_dtype)
+        result = rewrite(value)
         if isinstance(result, relax.Var) and (
             isinstance(b.var, relax.DataflowVar) or not isinstance(result, relax.DataflowVar)
         ):
-            remap[b.var] = result
+            remap[b.var] = result  # T(T(a)): uses of the binding become uses of a
             continue
+        result = value if result is None else result
         if result.same_as(b.value):
             bb.emit_normalized(b)
         else:
             result = bb.normalize(result)
             bb.emit_normalized(relax.VarBinding(b.var, result))
-        bound[b.var] = result
     body = bb.normalize(relax.SeqExpr([bb._end_block()], substitute(func.body.body, remap)))
     bb.end_scope()
     new_func = relax.Function(func.params, body, None, func.is_pure, func.attrs)
