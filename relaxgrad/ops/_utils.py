@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import operator
 
-from tvm import relax
-from tvm.sym import Analyzer
+from tvm import relax, tirx
 from tvm.relax import BlockBuilder, Expr
+from tvm.sym import Analyzer
 
 from .. import _ty
 
@@ -26,7 +26,7 @@ def _same_shape(lhs, rhs) -> bool:
     if len(lhs) != len(rhs):
         return False
     analyzer = Analyzer()
-    return all(analyzer.can_prove_equal(a, b) for a, b in zip(lhs, rhs))
+    return all(analyzer.can_prove_equal(a, b) for a, b in zip(lhs, rhs, strict=True))
 
 
 def const(value, like: Expr | str) -> _ty.Constant:
@@ -35,9 +35,21 @@ def const(value, like: Expr | str) -> _ty.Constant:
     return relax.const(value, dtype)
 
 
-def shape_prod(expr: Expr, axis=None) -> int:
-    """Number of elements of ``expr`` over ``axis`` (all axes when None); static shapes only."""
-    shape = _ty.static_shape(expr)
-    if axis is None:
-        return functools.reduce(operator.mul, shape, 1)
-    return functools.reduce(operator.mul, (shape[int(i)] for i in axis), 1)
+def count(expr: Expr, axis=None):
+    """Number of elements of ``expr`` over ``axis`` (all axes when None): a Python int when those
+    dims are static, else a tirx expression in the dtype of ``expr`` (symbolic dims)."""
+    dims = _ty.shape_values(expr)
+    if axis is not None:
+        dims = [dims[int(i)] for i in axis]
+    if all(isinstance(d, tirx.IntImm) for d in dims):
+        return functools.reduce(operator.mul, (int(d) for d in dims), 1)
+    return tirx.Cast(_ty.dtype_of(expr), functools.reduce(operator.mul, dims))
+
+
+def scalar(value, like: Expr | str) -> Expr:
+    """``value`` as a scalar of the dtype of ``like``: a constant for a Python number, a prim value
+    (computed at run time) for a tirx expression such as a symbolic :func:`count`."""
+    if isinstance(value, (int, float)):
+        return const(value, like)
+    dtype = like if isinstance(like, str) else _ty.dtype_of(like)
+    return relax.prim_value(value if _ty.dtype_of(value) == dtype else tirx.Cast(dtype, value))

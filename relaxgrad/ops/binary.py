@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tvm import relax
 from tvm.relax.op import greater_equal, less, log, where
 
 from ._utils import const, fit_shape

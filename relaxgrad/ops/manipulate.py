@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import collapse_sum_to, concat, permute_dims, reshape, split
+from tvm.relax.op import collapse_sum_to, concat, permute_dims, reshape, split, squeeze
 from tvm.relax.op.grad import no_grad
 
 from .. import _ty
@@ -47,6 +47,13 @@ def reshape_grad(orig_var, orig_call, output_grad, ctx):
 
 @register_gradient("relax.broadcast_to")
 def broadcast_to_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = broadcast_to(x, shape)``; backward: ``[collapse_sum_to(g, x.shape), no_grad]``."""
+    """Forward: ``y = broadcast_to(x, shape)``; backward:
+    ``[collapse_sum_to(g, x.shape), no_grad]``."""
     x, shape = orig_call.args
     return [collapse_sum_to(output_grad, _ty.shape_of(x)), no_grad(shape)]
+
+
+@register_gradient("relax.expand_dims")
+def expand_dims_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = expand_dims(x, axis)``; backward: ``[squeeze(g, axis)]``."""
+    return [squeeze(output_grad, orig_call.attrs.axis)]

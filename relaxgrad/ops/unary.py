@@ -88,5 +88,3 @@ def silu_grad(x, y, g):
     """Forward: ``y = x * sigmoid(x)``; backward: ``[g * (sigmoid(x) + y * (1 - sigmoid(x)))]``."""
     sig = sigmoid(x)
     return g * (sig + y * (const(1, x) - sig))
-
-

@@ -14,6 +14,11 @@ CASES = [
     Case("reshape", lambda x: op.reshape(x, (6, 2)), [(3, 4)]),
     Case("reshape_shape_expr", lambda x: op.reshape(x, relax.ShapeExpr([2, 2, 3])), [(3, 4)]),
     Case("broadcast_to", lambda x: op.broadcast_to(x, (2, 3, 4)), [(3, 1)]),
+    Case("expand_dims_front", lambda x: op.expand_dims(x, 0), [(3, 4)]),
+    Case("expand_dims_negative", lambda x: op.expand_dims(x, -1), [(3, 4)]),
+    Case("expand_dims_axes", lambda x: op.expand_dims(x, [0, 2]), [(3, 4)]),
+    Case("expand_dims_mixed_axes", lambda x: op.expand_dims(x, [-1, 1]), [(3, 4)]),
+    Case("expand_dims_float32", lambda x: op.expand_dims(x, 1), [(3,)], dtype="float32"),
 ]
 
 

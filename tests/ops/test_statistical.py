@@ -1,4 +1,5 @@
 import pytest
+from tvm import tirx
 from tvm.relax import op
 
 from ._spec import Case, ids, run_case
@@ -11,6 +12,38 @@ CASES = [
     Case("mean_all", op.mean, [(3, 4)]),
     Case("mean_axis", lambda x: op.mean(x, [0]), [(3, 4)]),
     Case("mean_keepdims", lambda x: op.mean(x, 1, keepdims=True), [(3, 4)]),
+    Case("mean_negative_axes", lambda x: op.mean(x, [-1, 0]), [(2, 3, 4)]),
+    Case("mean_float32", lambda x: op.mean(x, 0), [(3, 4)], dtype="float32"),
+    Case("variance_all", op.variance, [(3, 4)]),
+    Case("variance_axis", lambda x: op.variance(x, 1), [(3, 4)]),
+    Case("variance_keepdims", lambda x: op.variance(x, 0, keepdims=True), [(3, 4)]),
+    Case("variance_negative_axes", lambda x: op.variance(x, [-1, 0]), [(2, 3, 4)]),
+    Case("variance_all_keepdims", lambda x: op.variance(x, keepdims=True), [(2, 3)]),
+    Case("variance_float32", lambda x: op.variance(x, 1), [(3, 4)], dtype="float32"),
+    Case("cumsum_axis0", lambda x: op.cumsum(x, 0), [(3, 4)]),
+    Case("cumsum_axis1", lambda x: op.cumsum(x, 1), [(3, 4)]),
+    Case("cumsum_negative_axis", lambda x: op.cumsum(x, -2), [(2, 3, 4)]),
+    Case("cumsum_flattened", op.cumsum, [(3, 4)]),
+    Case("cumsum_exclusive", lambda x: op.cumsum(x, 1, exclusive=True), [(3, 4)]),
+    Case("cumsum_flattened_exclusive", lambda x: op.cumsum(x, exclusive=True), [(2, 3)]),
+    Case("cumsum_dtype", lambda x: op.cumsum(x, 0, "float64"), [(3, 4)], dtype="float32"),
+    Case("cumsum_float32", lambda x: op.cumsum(x, 1), [(3, 4)], dtype="float32"),
+]
+
+# Symbolic dims: the count of reduced elements is computed at run time.
+N = tirx.Var("n", "int64")
+
+
+def _symbolic(rng):
+    return [rng.uniform(-1, 1, (5, 4))]
+
+
+CASES += [
+    Case("mean_symbolic_all", op.mean, [(N, 4)], inputs=_symbolic),
+    Case("mean_symbolic_axis", lambda x: op.mean(x, 0), [(N, 4)], inputs=_symbolic),
+    Case("variance_symbolic_axis", lambda x: op.variance(x, [0]), [(N, 4)], inputs=_symbolic),
+    Case("variance_symbolic_float32", lambda x: op.variance(x, 0), [(N, 4)], dtype="float32",
+         inputs=lambda rng: [a.astype("float32") for a in _symbolic(rng)]),
 ]
 
 
