@@ -5,4 +5,15 @@ from .registry import get_gradient, register_gradient, register_no_grad, registe
 __all__ = ["get_gradient", "register_gradient", "register_no_grad", "registered_ops"]
 
 # Importing the families registers their rules.
-from . import binary, linear_algebra, manipulate, nn, search, statistical, unary  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    binary,
+    create,
+    datatype,
+    index,
+    linear_algebra,
+    manipulate,
+    nn,
+    search,
+    statistical,
+    unary,
+)
