@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import exp, sum
+import numpy as np
+from tvm import relax
+from tvm.relax.op import (
+    astype,
+    exp,
+    expand_dims,
+    one_hot,
+    permute_dims,
+    reshape,
+    strided_slice,
+    sum,
+)
+from tvm.relax.op.grad import (
+    avg_pool2d_backward,
+    max_pool2d_backward,
+    nll_loss_backward,
+    no_grad,
+)
+from tvm.relax.op.nn import conv2d, conv2d_transpose
 
 from .. import _ty
+from ..errors import GradientError
 from ._utils import const
 from .registry import register_gradient
 
@@ -28,3 +47,160 @@ def cross_entropy_with_logits_grad(orig_var, orig_call, output_grad, ctx):
     if _ty.ndim_of(x) > 1:
         output_grad = output_grad / const(int(_ty.shape_values(x)[0]), output_grad)
     return [-output_grad * y, -output_grad * x]
+
+
+def _nll_loss_weights_grad(loss, pred, targets, weights, output_grad, attrs):
+    """``d loss / d weights[c]``: ``-sum(pred[:, c] * g)`` over the positions whose target is c;
+    ``reduction="mean"`` then subtracts ``loss * count[c] * g`` and divides by the total weight."""
+    dtype, num_classes = _ty.dtype_of(pred), _ty.static_shape(weights)[0]
+    class_axis = 0 if _ty.ndim_of(pred) == 1 else 1
+    others = [i for i in range(_ty.ndim_of(pred)) if i != class_axis]
+    hit = astype(one_hot(targets, 1, 0, num_classes, class_axis), dtype)
+    ignore_index = int(attrs.ignore_index)
+    if 0 <= ignore_index < num_classes:  # an ignored class gets no gradient and no count
+        keep = np.ones((num_classes,) + (1,) * (len(others) - class_axis), dtype)
+        keep[ignore_index] = 0
+        hit = hit * relax.const(keep, dtype)
+    if attrs.reduction == "none" and others:
+        output_grad = expand_dims(output_grad, class_axis)
+    grad = -(pred * hit * output_grad)
+    counts = hit
+    if others:
+        grad, counts = sum(grad, others), sum(hit, others)
+    if attrs.reduction == "mean":
+        grad = (grad - output_grad * loss * counts) / sum(weights * counts)
+    return grad
+
+
+@register_gradient("relax.nn.nll_loss")
+def nll_loss_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``z = nll_loss(pred, targets, weights, reduction, ignore_index)``; backward:
+    ``[nll_loss_backward(g, pred, targets, weights), no_grad, d weights]``."""
+    pred, targets, *weights = orig_call.args
+    attrs = orig_call.attrs
+    pred_grad = nll_loss_backward(
+        output_grad,
+        pred,
+        targets,
+        weights[0] if weights else None,
+        attrs.reduction,
+        attrs.ignore_index,
+    )
+    partials = [pred_grad, no_grad(targets)]
+    if weights:
+        partials.append(
+            _nll_loss_weights_grad(orig_var, pred, targets, weights[0], output_grad, attrs)
+        )
+    return partials
+
+
+def _relayout(expr, src: str, dst: str, op_name: str):
+    """``expr`` permuted from layout ``src`` to layout ``dst`` (itself when they are equal)."""
+    if src == dst:
+        return expr
+    if sorted(src) != sorted(dst):
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for layout {src} (only for permutations "
+            f"of {dst}, such as NHWC)"
+        )
+    return permute_dims(expr, [src.index(axis) for axis in dst])
+
+
+def _static_dims(expr, op_name: str) -> tuple[int, ...]:
+    try:
+        return _ty.static_shape(expr)
+    except TypeError:
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for symbolic shapes ({_ty.type_of(expr)})"
+        ) from None
+
+
+def _conv2d_nchw_grads(ctx, x, w, g, attrs, out_dtype):
+    """``(dx, dw)`` of ``g = conv2d(x, w)`` in layouts NCHW/OIHW/NCHW: a transposed convolution
+    for ``dx``; for ``dw`` a convolution of x by g with the batch axis as channels, strides and
+    dilation swapped, cropped to the kernel size."""
+    name = "relax.nn.conv2d"
+    batch, in_channels, in_h, in_w = _static_dims(x, name)
+    out_channels, _, kernel_h, kernel_w = _static_dims(w, name)
+    _, _, grad_h, grad_w = _static_dims(g, name)
+    (stride_h, stride_w), (dilation_h, dilation_w) = attrs.strides, attrs.dilation
+    pad_top, pad_left, pad_bottom, pad_right = attrs.padding
+    groups = int(attrs.groups)
+
+    # the input rows/columns the last output position does not reach
+    covered_h = (grad_h - 1) * stride_h - pad_top - pad_bottom + dilation_h * (kernel_h - 1) + 1
+    covered_w = (grad_w - 1) * stride_w - pad_left - pad_right + dilation_w * (kernel_w - 1) + 1
+    output_padding = (int(in_h - covered_h), int(in_w - covered_w))
+    dx = conv2d_transpose(
+        g, w, attrs.strides, attrs.padding, output_padding, attrs.dilation, groups,
+        "NCHW", "IOHW", "NCHW", out_dtype,
+    )  # fmt: skip
+
+    data = x
+    if groups != 1:  # channel index (group, batch), batch index: channel within the group
+        data = reshape(x, (batch, groups, in_channels // groups, in_h, in_w))
+        data = permute_dims(data, [1, 0, 2, 3, 4])
+        data = reshape(data, (batch * groups, in_channels // groups, in_h, in_w))
+    dw = conv2d(
+        data, g, strides=attrs.dilation, padding=attrs.padding, dilation=attrs.strides,
+        groups=groups, data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW",
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    dw_h, dw_w = _ty.static_shape(ctx.normalize(dw))[2:]
+    if dw_h > kernel_h or dw_w > kernel_w:
+        end = [out_channels, in_channels // groups, kernel_h, kernel_w]
+        dw = strided_slice(dw, axes=[0, 1, 2, 3], begin=[0, 0, 0, 0], end=end)
+    return dx, dw
+
+
+@register_gradient("relax.nn.conv2d")
+def conv2d_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = conv2d(x, w, strides, padding, dilation, groups)``; backward:
+    ``[conv2d_transpose(g, w), conv2d(x, g)]``, computed in NCHW/OIHW for any 4-D layouts."""
+    x, w = orig_call.args
+    attrs = orig_call.attrs
+    name = "relax.nn.conv2d"
+    out_dtype = attrs.out_dtype
+    if _ty.dtype_of(output_grad) != _ty.dtype_of(x):  # out_dtype widened the result
+        output_grad, out_dtype = astype(output_grad, _ty.dtype_of(x)), _ty.dtype_of(x)
+    dx, dw = _conv2d_nchw_grads(
+        ctx,
+        ctx.normalize(_relayout(x, attrs.data_layout, "NCHW", name)),
+        ctx.normalize(_relayout(w, attrs.kernel_layout, "OIHW", name)),
+        ctx.normalize(_relayout(output_grad, attrs.out_layout, "NCHW", name)),
+        attrs,
+        out_dtype,
+    )
+    return [
+        _relayout(dx, "NCHW", attrs.data_layout, name),
+        _relayout(dw, "OIHW", attrs.kernel_layout, name),
+    ]
+
+
+_POOL2D_ATTRS = "pool_size strides padding dilation ceil_mode count_include_pad layout".split()
+
+
+def _pool2d(op_name: str, backward):
+    """Register the rule of a 2-D pooling op whose input gradient is the TVM op ``backward``."""
+
+    def rule(orig_var, orig_call, output_grad, ctx):
+        attrs = orig_call.attrs
+        if any(int(d) != 1 for d in attrs.dilation):
+            raise GradientError(
+                f"Gradient: {op_name} has no gradient rule for dilation {tuple(attrs.dilation)} "
+                "(TVM's pooling gradient kernels support dilation 1 only)"
+            )
+        grad = _relayout(output_grad, attrs.out_layout, attrs.layout, op_name)
+        kwargs = {key: attrs[key] for key in _POOL2D_ATTRS}
+        return [backward(grad, orig_call.args[0], **kwargs, out_layout=attrs.layout)]
+
+    rule.__doc__ = (
+        f"Forward: ``y = {op_name}(x, pool_size, strides, padding, ceil_mode, layout)``; "
+        f"backward: ``[{backward.__name__}(g, x, ...)]``."
+    )
+    register_gradient(op_name, rule)
+    return rule
+
+
+max_pool2d_grad = _pool2d("relax.nn.max_pool2d", max_pool2d_backward)
+avg_pool2d_grad = _pool2d("relax.nn.avg_pool2d", avg_pool2d_backward)
