@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from . import _ty
-from .transforms import Gradient
+from .transforms import Gradient, LowerCallTIRWithGrad
 
 __all__ = [
     "GradCheck",
@@ -140,6 +140,7 @@ def check_gradients(
         wrt = [i for i, p in enumerate(params) if _ty.nested_all(p.ty, _ty.is_float_tensor)]
     grad_pass = grad_pass or Gradient
     grad_mod = grad_pass(func_name, [params[i] for i in wrt], target_index)(mod)
+    grad_mod = LowerCallTIRWithGrad()(grad_mod)
 
     dev = tvm.cpu() if str(target).startswith("llvm") else tvm.device(str(target).split()[0])
     vm = relax.VirtualMachine(tvm.compile(grad_mod, target=target), dev)

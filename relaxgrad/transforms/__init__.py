@@ -1,5 +1,6 @@
 """relaxgrad's passes."""
 
 from .gradient import Gradient
+from .lower import LowerCallTIRWithGrad
 
-__all__ = ["Gradient"]
+__all__ = ["Gradient", "LowerCallTIRWithGrad"]

@@ -11,7 +11,7 @@ from .. import _ty
 from ..errors import GradientError
 from ..ops import get_gradient
 from .adjoint import AdjointStore, add_in_tuple, is_no_grad, nested_zeros
-from .checkpoint import CheckpointInfo, Regenerator
+from .checkpoint import CheckpointInfo, Regenerator, free_vars
 
 TE_GRAD_PREFIX = "tvm.relax.te_grad._register."
 
@@ -26,6 +26,8 @@ class BackwardWalk:
         self.store = AdjointStore(bb)
         self.regen = Regenerator(bb, params, info)
         self.missing: dict[str, list[str]] = {}  # op name -> vars bound to it
+        # vars upstream of an op without rule: walked only to find further such ops
+        self.blocked: set[int] = set()
         self._call_tir = Op.get("relax.call_tir")
         self._call_tir_with_grad = Op.get("relax.call_tir_with_grad")
 
@@ -46,6 +48,8 @@ class BackwardWalk:
     def visit(self, binding) -> None:
         var = binding.var
         if var not in self.store:
+            if _ty.key(var) in self.blocked:
+                self.find_missing(var, binding.value)
             return  # does not reach the target
         value = binding.value
         if isinstance(value, relax.Call):
@@ -81,7 +85,7 @@ class BackwardWalk:
             return
         rule = get_gradient(call.op)
         if rule is None:
-            self.missing.setdefault(str(call.op.name), []).append(var.name)
+            self.find_missing(var, call)
             return
         partials = list(rule(cp_var, cp_call, adjoint, self.bb))
         if len(partials) != len(call.args):
@@ -92,6 +96,13 @@ class BackwardWalk:
         for arg, partial in zip(call.args, partials):
             if not is_no_grad(partial):
                 self.store.update(arg, partial)
+
+    def find_missing(self, var: Var, value) -> None:
+        """Record ``var = value`` if it calls an op without rule, and keep looking upstream."""
+        if isinstance(value, relax.Call) and isinstance(value.op, Op):
+            if get_gradient(value.op) is None and not value.op.same_as(self._call_tir_with_grad):
+                self.missing.setdefault(str(value.op.name), []).append(var.name)
+        self.blocked.update(_ty.key(v) for v in free_vars(value))
 
     def visit_call_tir_with_grad(self, var, call, cp_var, cp_call, adjoint) -> None:
         name = str(call.attrs.te_grad_name)

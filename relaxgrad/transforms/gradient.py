@@ -13,6 +13,7 @@ from .. import _ty
 from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import collect_checkpoints
+from .lower import lower_call_tir_with_grad
 from .simplify import remove_unused, simplify_gradient
 
 __all__ = ["Gradient", "gradient_module"]
@@ -75,25 +76,28 @@ def gradient_module(
     params = list(copied.params)
     bb.begin_scope(params)
     bb._begin_dataflow_block()
-    info = collect_checkpoints(bb, params, block.bindings, copied.body.body)
-    if require_grads is None:
-        grads = params
-    else:
-        grads = _map_require_grads(require_grads, var_map, func_name)
-    target = _target(info.ret, target_index, func_name)
-    with_grad = Op.get("relax.call_tir_with_grad")
-    has_call_tir_with_grad = False
-    for binding in info.bindings:
-        bb.emit_normalized(binding)
-        value = binding.value
-        if isinstance(value, relax.Call) and value.op.same_as(with_grad):
-            has_call_tir_with_grad = True
-    ret = BackwardWalk(bb, func_name, params, info).run(target, grads, info.ret)
-    body = bb.normalize(relax.SeqExpr([bb._end_block()], ret))
-    bb.end_scope()
+    try:
+        info = collect_checkpoints(bb, params, block.bindings, copied.body.body)
+        if require_grads is None:
+            grads = params
+        else:
+            grads = _map_require_grads(require_grads, var_map, func_name)
+        target = _target(info.ret, target_index, func_name)
+        with_grad = Op.get("relax.call_tir_with_grad")
+        has_call_tir_with_grad = False
+        for binding in info.bindings:
+            bb.emit_normalized(binding)
+            value = binding.value
+            if isinstance(value, relax.Call) and value.op.same_as(with_grad):
+                has_call_tir_with_grad = True
+        ret = BackwardWalk(bb, func_name, params, info).run(target, grads, info.ret)
+    finally:
+        new_block = bb._end_block()
+        bb.end_scope()
+    body = bb.normalize(relax.SeqExpr([new_block], ret))
     adjoint = Function(params, body, None, copied.is_pure, copied.attrs)
     if has_call_tir_with_grad:
-        adjoint = _eliminate_call_tir_with_grad(adjoint)
+        adjoint = lower_call_tir_with_grad(adjoint)
     adjoint = remove_unused(adjoint)
     adjoint = simplify_gradient(adjoint)
     return _add_function(bb.get(), adjoint, func_name + "_adjoint")
@@ -209,23 +213,3 @@ def _map_require_grads(require_grads: list, var_map: dict, func_name: str) -> li
             )
         mapped.append(var_map[var])
     return mapped
-
-
-def _eliminate_call_tir_with_grad(func: Function) -> Function:
-    """Turn every ``call_tir_with_grad`` into a plain ``call_tir`` (it has no lowering)."""
-    with_grad, call_tir = Op.get("relax.call_tir_with_grad"), Op.get("relax.call_tir")
-    block = func.body.blocks[0]
-
-    def rewrite(expr):
-        if isinstance(expr, relax.Call) and expr.op.same_as(with_grad):
-            return relax.Call(call_tir, expr.args, None, expr.ty_args)
-        return expr
-
-    new_bindings = [relax.VarBinding(b.var, rewrite(b.value)) for b in block.bindings]
-    if all(nb.value.same_as(b.value) for nb, b in zip(new_bindings, block.bindings)):
-        return func
-    new_block = relax.DataflowBlock(new_bindings)
-    body = relax.SeqExpr([new_block], func.body.body)
-    return Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
-
-

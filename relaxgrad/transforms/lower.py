@@ -1,0 +1,52 @@
+"""``call_tir_with_grad`` has no lowering: after differentiation it becomes ``call_tir``."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.ir import IRModule, Op
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+__all__ = ["LowerCallTIRWithGrad", "lower_call_tir_with_grad"]
+
+
+@mutator
+class _Lower(PyExprMutator):
+    def __init__(self, mod: IRModule | None = None):
+        super().__init__(mod)
+        self.with_grad = Op.get("relax.call_tir_with_grad")
+        self.call_tir = Op.get("relax.call_tir")
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if isinstance(call.op, Op) and call.op.same_as(self.with_grad):
+            return relax.Call(self.call_tir, call.args, None, call.ty_args)
+        return call
+
+
+def _uses_call_tir_with_grad(func: relax.Function) -> bool:
+    return "call_tir_with_grad" in func.script(show_meta=False)
+
+
+def lower_call_tir_with_grad(func: relax.Function) -> relax.Function:
+    """``func`` with every ``call_tir_with_grad`` turned into a plain ``call_tir``."""
+    return _Lower().visit_expr(func)
+
+
+@tvm.transform.module_pass(opt_level=0, name="LowerCallTIRWithGrad")
+class LowerCallTIRWithGrad:
+    """Module pass: lower ``call_tir_with_grad`` in every Relax function (needed to compile
+    a module whose forward function uses it)."""
+
+    def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
+        updates = {
+            gv: lower_call_tir_with_grad(func)
+            for gv, func in mod.functions_items()
+            if isinstance(func, relax.Function) and _uses_call_tir_with_grad(func)
+        }
+        if not updates:
+            return mod
+        new_mod = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
+        for gv, func in updates.items():
+            new_mod[gv] = func
+        return new_mod
