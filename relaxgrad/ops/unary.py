@@ -30,8 +30,9 @@ def negative_grad(x, y, g):
 
 @_unary("relax.abs")
 def abs_grad(x, y, g):
-    """Forward: ``y = |x|``; backward: ``[where(x < 0, -g, g)]``."""
-    return where(less(x, const(0, x)), -g, g)
+    """Forward: ``y = |x|``; backward: ``[g * where(x < 0, -1, 1)]``."""
+    one = const(1, x)
+    return g * where(less(x, const(0, x)), -one, one)
 
 
 @_unary("relax.exp")
