@@ -96,7 +96,7 @@ def _default_tolerance(dtype: str) -> tuple[float, float]:
         return 1e-6, 1e-6
     if dtype == "float16":
         return 1e-2, 5e-2
-    return 1e-3, 2e-2
+    return 1e-4, 2e-2
 
 
 def check_gradients(
