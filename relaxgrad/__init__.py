@@ -1,7 +1,15 @@
 """relaxgrad: reverse-mode automatic differentiation for Apache TVM's Relax IR."""
 
+from .compile import compile
 from .errors import GradientError
 from .ops import get_gradient, register_gradient, registered_ops
 from .transforms import Gradient
 
-__all__ = ["Gradient", "GradientError", "get_gradient", "register_gradient", "registered_ops"]
+__all__ = [
+    "Gradient",
+    "GradientError",
+    "compile",
+    "get_gradient",
+    "register_gradient",
+    "registered_ops",
+]

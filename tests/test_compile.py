@@ -1,0 +1,288 @@
+"""relaxgrad.compile: llvm results equal tvm.compile's; CUDA builds (without a GPU) where the
+stock pipeline fails; per-function rule choice and its errors.
+
+The model builders here are shared with bench/gpu_check.py, which runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, s_tir
+from tvm.relax import op
+from tvm.s_tir import dlight as dl
+
+import relaxgrad
+from relaxgrad.compile import (
+    DEFAULT_CUDA_ARCH,
+    FullReduction,
+    ScheduleGPU,
+    resolve_target,
+)
+from relaxgrad.testing import random_inputs
+
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+# --- models: (name, params), body -> scalar loss; every one ends in a reduction to a scalar ---
+
+
+def _module(params: list[tuple[str, tuple]], body, dtype: str = "float32") -> tvm.IRModule:
+    """``main(*params) = body(*vars)`` in one dataflow block."""
+    args = [relax.Var(name, relax.TensorType(shape, dtype)) for name, shape in params]
+    bb = relax.BlockBuilder()
+    with bb.function("main", args):
+        with bb.dataflow():
+            loss = bb.emit_output(body(bb, *args))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def mlp(batch: int = 8, d_in: int = 16, hidden: int = 32, classes: int = 10) -> tvm.IRModule:
+    """Two dense layers, cross entropy plus a mean-square penalty on the logits."""
+    params = [("x", (batch, d_in)), ("w0", (d_in, hidden)), ("b0", (hidden,)),
+              ("w1", (hidden, classes)), ("b1", (classes,)), ("y", (batch, classes))]  # fmt: skip
+
+    def body(bb, x, w0, b0, w1, b1, y):
+        h = bb.emit(op.nn.relu(op.add(op.matmul(x, w0), b0)))
+        logits = bb.emit(op.add(op.matmul(h, w1), b1))
+        ce = bb.emit(op.nn.cross_entropy_with_logits(op.nn.log_softmax(logits), y))
+        return op.add(ce, op.mean(op.multiply(logits, logits)))
+
+    return _module(params, body)
+
+
+CNN_OPS = ["relax.nn.conv2d", "relax.nn.max_pool2d", "relax.nn.avg_pool2d"]
+
+
+def cnn(batch: int = 2, channels: int = 3, size: int = 8, filters: int = 8, classes: int = 10):
+    """conv-relu-maxpool, strided conv-relu-avgpool, dense, cross entropy."""
+    flat = filters * (size // 8) ** 2
+    params = [("x", (batch, channels, size, size)), ("w1", (filters, channels, 3, 3)),
+              ("b1", (1, filters, 1, 1)), ("w2", (filters, filters, 3, 3)),
+              ("wf", (flat, classes)), ("y", (batch, classes))]  # fmt: skip
+
+    def body(bb, x, w1, b1, w2, wf, y):
+        c1 = op.nn.relu(op.add(op.nn.conv2d(x, w1, padding=1), b1))
+        p1 = op.nn.max_pool2d(c1, 2, strides=2)
+        c2 = op.nn.relu(op.nn.conv2d(p1, w2, strides=2, padding=1))
+        p2 = bb.emit(op.nn.avg_pool2d(c2, 2, strides=2))
+        logits = op.matmul(op.reshape(p2, (batch, flat)), wf)
+        return op.nn.cross_entropy_with_logits(op.nn.log_softmax(logits), y)
+
+    return _module(params, body)
+
+
+def transformer(batch: int = 2, seq: int = 8, dim: int = 16, ffn: int = 32) -> tvm.IRModule:
+    """One attention block with residuals and a relu feed-forward; mean-square loss."""
+    params = [("x", (batch, seq, dim)), ("wq", (dim, dim)), ("wk", (dim, dim)),
+              ("wv", (dim, dim)), ("wo", (dim, dim)), ("w1", (dim, ffn)), ("w2", (ffn, dim)),
+              ("y", (batch, seq, dim))]  # fmt: skip
+
+    def body(bb, x, wq, wk, wv, wo, w1, w2, y):
+        q, k, v = (bb.emit(op.matmul(x, w)) for w in (wq, wk, wv))
+        scores = op.multiply(op.matmul(q, op.permute_dims(k, [0, 2, 1])), relax.const(dim**-0.5))
+        attn = op.matmul(op.matmul(op.nn.softmax(scores, axis=-1), v), wo)
+        h = bb.emit(op.add(x, attn))
+        out = bb.emit(op.add(h, op.matmul(op.nn.relu(op.matmul(h, w1)), w2)))
+        diff = bb.emit(op.subtract(out, y))
+        return op.mean(op.multiply(diff, diff))
+
+    return _module(params, body)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def adjoint_module(name: str, **sizes) -> tvm.IRModule:
+    """The model with ``main_adjoint`` added (skipped when a rule it needs is missing)."""
+    if name == "cnn":
+        missing = [o for o in CNN_OPS if relaxgrad.get_gradient(o) is None]
+        if missing:
+            pytest.skip(f"no gradient rule yet for {', '.join(missing)}")
+    return relaxgrad.Gradient("main")(MODELS[name](**sizes))
+
+
+# --- llvm ---
+
+
+def _run(executable, func_name: str, inputs, device=None):
+    device = device or tvm.cpu()
+    vm = relax.VirtualMachine(executable, device)
+    out = vm[func_name](*[tvm.runtime.tensor(a, device) for a in inputs])
+    return _flatten(out)
+
+
+def _flatten(value) -> list[np.ndarray]:
+    if hasattr(value, "numpy"):
+        return [value.numpy()]
+    return [leaf for item in value for leaf in _flatten(item)]
+
+
+def test_llvm_matches_tvm_compile():
+    mod = adjoint_module("mlp")
+    inputs = random_inputs(mod["main"], seed=3)
+    ours, stock = relaxgrad.compile(mod, "llvm"), tvm.compile(mod, "llvm")
+    for func in ("main", "main_adjoint"):
+        got, want = _run(ours, func, inputs), _run(stock, func, inputs)
+        assert len(got) == len(want) == (1 if func == "main" else 7)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+# --- CUDA, built without a GPU ---
+
+
+def _cuda_source(executable) -> str:
+    """The CUDA source of every kernel in the executable's device modules."""
+
+    def modules(mod):
+        yield mod
+        for imported in mod.imports:
+            yield from modules(imported)
+
+    return "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_builds(name):
+    mod = adjoint_module(name)
+    schedule = ScheduleGPU()
+    executable = relaxgrad.compile(mod, CUDA, schedule=schedule)
+
+    assert "main_adjoint" in executable.as_text()
+    source = _cuda_source(executable)
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    assert schedule.choices and all(f + "_kernel" in kernels for f in schedule.choices)
+    # Every loss ends in a reduction to a scalar with an epilogue (mean's divide, cross
+    # entropy's scale): dlight's Reduction raises there and our FullReduction takes over.
+    full = [f for f, rule in schedule.choices.items() if rule == "FullReduction"]
+    assert full and all(f in schedule.errors for f in full), schedule.choices
+    assert {"Matmul", "Fallback"} <= set(schedule.choices.values())
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: CUDA source generated but not compiled")
+    from tvm.support import nvcc
+
+    with resolve_target(CUDA):
+        cubin = nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")
+    assert len(cubin) > 0
+
+
+def test_stock_cuda_pipeline_fails_on_mean_loss():
+    """The reason this module exists: TVM 0.27's default CUDA pipeline raises on a mean loss."""
+    mod = adjoint_module("mlp")
+    target = tvm.target.Target(CUDA)
+    with pytest.raises(tvm.error.InternalError, match="block_realize"):
+        tvm.compile(mod, target=target)
+    assert "main_adjoint" in relaxgrad.compile(mod, target).as_text()
+
+
+def test_cuda_string_target_defaults_arch():
+    target = resolve_target("cuda")
+    assert target.kind.name == "cuda"
+    if not tvm.cuda(0).exist:
+        assert target.attrs["arch"] == DEFAULT_CUDA_ARCH
+    assert resolve_target({"kind": "cuda"}).attrs["arch"] == target.attrs["arch"]
+    assert resolve_target({"kind": "cuda", "arch": "sm_80"}).attrs["arch"] == "sm_80"
+    explicit = tvm.target.Target({"kind": "cuda", "arch": "sm_75"})
+    assert resolve_target(explicit).same_as(explicit)
+    assert resolve_target("llvm").kind.name == "llvm"
+
+
+@pytest.mark.parametrize("bad", [42, "no-such-target"])
+def test_bad_target_raises(bad):
+    with pytest.raises(relaxgrad.GradientError, match="compile: .*target"):
+        relaxgrad.compile(mlp(), bad)
+
+
+def test_non_module_input_raises():
+    with pytest.raises(relaxgrad.GradientError, match="expected an IRModule, got Function"):
+        relaxgrad.compile(mlp()["main"], "llvm")
+
+
+# --- the schedule step ---
+
+
+def _fused(mod: tvm.IRModule) -> tvm.IRModule:
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              relax.transform.FuseOps(), relax.transform.FuseTIR()]  # fmt: skip
+    return tvm.transform.Sequential(passes)(mod)
+
+
+class _Raises(dl.ScheduleRule):
+    def apply(self, func, target, tunable):
+        raise RuntimeError("this rule always fails")
+
+
+def test_rule_that_raises_falls_through_per_function():
+    schedule = ScheduleGPU([_Raises(), dl.gpu.Fallback()])
+    mod = _fused(mlp())
+    with tvm.target.Target(CUDA):
+        schedule(mod)
+    prim_funcs = [
+        gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+    ]
+    assert sorted(schedule.choices) == sorted(prim_funcs)
+    assert set(schedule.choices.values()) == {"Fallback"}
+    assert schedule.errors["mean"] == ["_Raises raised RuntimeError: this rule always fails"]
+
+
+class _Unbound(dl.ScheduleRule):
+    """Accepts every function and binds no threads, which TIR lowering then rejects."""
+
+    def apply(self, func, target, tunable):
+        return s_tir.Schedule(func)
+
+
+def test_schedule_that_fails_verification_falls_through():
+    mod = _fused(mlp())
+    checked, unchecked = (
+        ScheduleGPU([_Unbound(), dl.gpu.Fallback()]),
+        ScheduleGPU([_Unbound()], verify=False),
+    )
+    with tvm.target.Target(CUDA):
+        checked(mod)
+        unchecked(mod)
+    assert set(checked.choices.values()) == {"Fallback"}
+    assert sorted(checked.errors) == sorted(checked.choices)
+    assert all(
+        "_Unbound raised GradientError" in e[0] and "bind" in e[0] for e in checked.errors.values()
+    )
+    assert set(unchecked.choices.values()) == {"_Unbound"}
+
+
+def test_unschedulable_primfunc_names_it():
+    mod = _fused(mlp())
+    with tvm.target.Target(CUDA), pytest.raises(relaxgrad.GradientError) as info:
+        ScheduleGPU([dl.gpu.Matmul(), _Raises()])(mod)
+    message = str(info.value)
+    assert "could schedule PrimFunc" in message and "_Raises raised RuntimeError" in message
+    assert any(f"PrimFunc {gv.name_hint} " in message for gv in mod.get_global_vars())
+
+
+def test_cpu_primfuncs_are_left_alone():
+    mod = _fused(mlp())
+    with tvm.target.Target("llvm"):
+        after = ScheduleGPU()(mod)
+    tvm.ir.assert_structural_equal(after, mod)
+
+
+def test_full_reduction_is_one_kernel():
+    """FullReduction puts the whole mean in one launch; GeneralReduction, the rule TVM would
+    fall back to, leaves the reduction loops on the host around a one-thread kernel."""
+    func = _fused(mlp())["mean"]
+    target = tvm.target.Target(CUDA)
+    ours = FullReduction().apply(func, target, False)
+    general = dl.gpu.GeneralReduction().apply(func, target, False)
+
+    def outer_loops(sch):
+        return [sch.get(sch.get_loops(b)[0]) for b in sch.get_child_blocks(sch.get_sblock("root"))]
+
+    assert all(loop.thread_binding.thread_tag == "blockIdx.x" for loop in outer_loops(ours))
+    assert any(loop.thread_binding is None for loop in outer_loops(general))
+    assert FullReduction().apply(_fused(mlp())["multiply"], target, False) is None
