@@ -175,7 +175,9 @@ def check_gradients(
                 worst = max(worst, err)
                 ok = ok and err <= limit
                 name = params[i].name + "".join(f"[{j}]" for j in path)
-                lines.append(f"{name}: finite difference {fd:.6g}, adjoint {ad:.6g}, error {err:.2g}")
+                lines.append(
+                    f"{name}: finite difference {fd:.6g}, adjoint {ad:.6g}, error {err:.2g}"
+                )
     return GradCheck(ok, worst, lines)
 
 
@@ -207,7 +209,8 @@ def loss_module(
                 for i in path:
                     leaf = bb.emit(relax.TupleGetItem(leaf, i))
                 weight = rng.uniform(0.5, 1.5, _ty.static_shape(leaf)).astype(_ty.dtype_of(leaf))
-                terms.append(bb.emit(relax.op.sum(relax.op.multiply(leaf, relax.const(weight, _ty.dtype_of(leaf))))))
+                weighted = relax.op.multiply(leaf, relax.const(weight, _ty.dtype_of(leaf)))
+                terms.append(bb.emit(relax.op.sum(weighted)))
             loss = terms[0]
             for term in terms[1:]:
                 loss = bb.emit(relax.op.add(loss, term))

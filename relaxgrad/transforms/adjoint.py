@@ -38,7 +38,7 @@ def to_msg(expr: Expr, ty: Type | None = None) -> Msg:
             for i, fty in enumerate(ty.fields)
         )
     if not _ty.is_tensor(ty):
-        raise GradientError(f"Gradient: the adjoint leaf {expr} must be a Tensor, but has type {ty}")
+        raise GradientError(f"Gradient: the adjoint leaf {expr} must be a Tensor, not {ty}")
     return expr
 
 

@@ -1,7 +1,8 @@
 """Clean-ups of the adjoint function: dead bindings, and TVM's gradient_simplifier.
 
 :func:`remove_unused` drops bindings the result does not need. :func:`simplify_gradient`
-rewrites the transpose/matmul patterns the gradient pass creates, with ``T(a)`` a permute_dims that swaps the last two axes:
+rewrites the transpose/matmul patterns the gradient pass creates, with ``T(a)`` a permute_dims
+that swaps the last two axes:
 
 1. ``T(T(a))`` -> ``a`` (uses of the binding are replaced by ``a``);
 2. ``T(matmul(a, b))`` -> ``matmul(T(b), T(a))``, where ``T`` of a var bound to ``T(c)`` is ``c``.
@@ -59,7 +60,8 @@ def remove_unused(func: Function) -> Function:
     if len(keep) == len(bindings):
         return func
     keep.reverse()
-    body = relax.BlockBuilder().normalize(relax.SeqExpr([relax.DataflowBlock(keep)], func.body.body))
+    body = relax.SeqExpr([relax.DataflowBlock(keep)], func.body.body)
+    body = relax.BlockBuilder().normalize(body)
     return Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
 
 

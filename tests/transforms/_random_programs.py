@@ -70,7 +70,8 @@ def random_program(seed: int, n_bindings: int = 12, checkpoints: bool = True) ->
                     s = bb.emit(op.sum(pick(), 1, keepdims=True))
                     tensors.append(bb.emit(op.multiply(pick(), s)))
                 elif kind == "checkpoint":
-                    marker = op.grad.start_checkpoint if rng.random() < 0.5 else op.grad.end_checkpoint
+                    start = rng.random() < 0.5
+                    marker = op.grad.start_checkpoint if start else op.grad.end_checkpoint
                     tensors.append(bb.emit(marker(pick())))
             total = bb.emit(op.sum(tensors[-1]))
             for t in tensors[n_params:-1]:

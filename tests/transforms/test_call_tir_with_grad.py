@@ -36,7 +36,8 @@ def _module():
     with bb.function("main", [a, b]):
         with bb.dataflow():
             m = bb.emit(bb.call_te_with_grad(te_mul, a, b, te_grad_name="relaxgrad_test_mul_grad"))
-            s = bb.emit(bb.call_te_with_grad(te_square, m, te_grad_name="relaxgrad_test_square_grad"))
+            square = bb.call_te_with_grad(te_square, m, te_grad_name="relaxgrad_test_square_grad")
+            s = bb.emit(square)
             gv = bb.emit_output(relax.op.sum(relax.op.tanh(s)))
         bb.emit_func_output(gv)
     return bb.get()

@@ -5,7 +5,6 @@ is produced.
 """
 
 import numpy as np
-import pytest
 import tvm
 from tvm import relax
 from tvm.script import ir as I
