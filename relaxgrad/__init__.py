@@ -1,6 +1,6 @@
 """relaxgrad: reverse-mode automatic differentiation for Apache TVM's Relax IR."""
 
-from .compile import compile
+from .pipeline import compile
 from .errors import GradientError
 from .ops import get_gradient, register_gradient, registered_ops
 from .transforms import Gradient

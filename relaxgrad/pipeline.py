@@ -7,7 +7,8 @@ step (``dlight.ApplyDefaultSchedule``) fails the whole build as soon as one rule
 ``cross_entropy_with_logits``), that is, on every loss; the next rule, ``GeneralReduction``,
 would launch one kernel per input element for it, so :class:`FullReduction` comes first.
 
-``relaxgrad.compile`` is the function; import the rest with ``from relaxgrad.compile import ...``.
+``relaxgrad.compile`` is the function; the rest lives in ``relaxgrad.pipeline``. Both kinds of
+target first lower ``call_tir_with_grad`` to ``call_tir`` (it has no lowering of its own).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tvm.s_tir.dlight.base import max_threads_per_block
 from tvm.target import Target
 
 from .errors import GradientError
+from .transforms import LowerCallTIRWithGrad
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
@@ -74,6 +76,7 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     if not isinstance(mod, IRModule):
         raise GradientError(f"compile: expected an IRModule, got {type(mod).__name__}")
     target = resolve_target(target)
+    mod = LowerCallTIRWithGrad()(mod)
     if not _is_gpu(target):
         return tvm.compile(mod, target)
     return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))

@@ -1,4 +1,4 @@
-"""relaxgrad.compile: llvm results equal tvm.compile's; CUDA builds (without a GPU) where the
+"""relaxgrad.compile (relaxgrad/pipeline.py): llvm results equal tvm.compile's; CUDA builds (without a GPU) where the
 stock pipeline fails; per-function rule choice and its errors.
 
 The model builders here are shared with bench/gpu_check.py, which runs them on a GPU.
@@ -17,7 +17,7 @@ from tvm.relax import op
 from tvm.s_tir import dlight as dl
 
 import relaxgrad
-from relaxgrad.compile import (
+from relaxgrad.pipeline import (
     DEFAULT_CUDA_ARCH,
     FullReduction,
     ScheduleGPU,
