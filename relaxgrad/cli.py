@@ -1,0 +1,129 @@
+"""The ``relaxgrad`` command line.
+
+``relaxgrad grad FILE.py --func main [--require-grads x w]`` prints the adjoint as TVMScript;
+``relaxgrad check FILE.py --func main`` checks its gradients numerically (exit 1 on failure);
+``relaxgrad demo`` trains the digits MLP on CPU and prints the accuracy.
+
+``FILE.py`` defines an ``IRModule`` (e.g. an ``@I.ir_module`` class) at top level; with several,
+pick one with ``--module NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from collections.abc import Sequence
+
+import tvm
+from tvm import relax
+
+from .errors import GradientError
+from .testing import check_gradients, random_inputs
+from .transforms import Gradient
+
+
+def load_module(path: str, name: str | None = None) -> tvm.IRModule:
+    """The IRModule defined at top level of the Python file ``path`` (named ``name``)."""
+    namespace = runpy.run_path(path, run_name="__relaxgrad_cli__")
+    modules = {k: v for k, v in namespace.items() if isinstance(v, tvm.IRModule)}
+    if name is not None:
+        if name not in modules:
+            raise GradientError(f"{path} defines no IRModule named {name!r} (it has: "
+                                f"{', '.join(sorted(modules)) or 'none'})")
+        return modules[name]
+    if len(modules) != 1:
+        raise GradientError(f"{path} defines {len(modules)} IRModules "
+                            f"({', '.join(sorted(modules)) or 'none'}); choose one with --module")
+    return next(iter(modules.values()))
+
+
+def _vars_by_name(func: relax.Function, names: Sequence[str], func_name: str) -> list:
+    known = {p.name: p for p in func.params}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            known.setdefault(binding.var.name, binding.var)
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise GradientError(f"function {func_name} has no var named {', '.join(missing)}")
+    return [known[n] for n in names]
+
+
+def _grad(args) -> int:
+    mod = load_module(args.file, args.module)
+    if args.func not in [gv.name_hint for gv in mod.get_global_vars()]:
+        raise GradientError(f"{args.file}: no function named {args.func!r} in the module")
+    require = None
+    if args.require_grads:
+        require = _vars_by_name(mod[args.func], args.require_grads, args.func)
+    out = Gradient(args.func, require, args.target_index)(mod)
+    print(out.script() if args.all else out[args.func + "_adjoint"].script())
+    return 0
+
+
+def _check(args) -> int:
+    mod = load_module(args.file, args.module)
+    params = list(mod[args.func].params)
+    wrt = None
+    if args.require_grads:
+        index = {p.name: i for i, p in enumerate(params)}
+        unknown = [n for n in args.require_grads if n not in index]
+        if unknown:
+            raise GradientError(f"check: {', '.join(unknown)} are not parameters of {args.func}")
+        wrt = [index[n] for n in args.require_grads]
+    inputs = random_inputs(mod[args.func], args.seed, args.low, args.high)
+    result = check_gradients(mod, args.func, inputs, wrt=wrt, target_index=args.target_index,
+                             seed=args.seed, tol=args.tol)
+    print(result)
+    print("PASS" if result.ok else "FAIL")
+    return 0 if result.ok else 1
+
+
+def _demo(args) -> int:
+    from .training.demo import run_demo
+
+    return run_demo(epochs=args.epochs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relaxgrad", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_common(p):
+        p.add_argument("file", help="Python file defining an IRModule")
+        p.add_argument("--func", default="main", help="function to differentiate")
+        p.add_argument("--module", help="name of the IRModule in FILE (when it has several)")
+        p.add_argument("--require-grads", nargs="*", metavar="VAR",
+                       help="vars to differentiate with respect to (default: all parameters)")
+        p.add_argument("--target-index", type=int, default=0)
+
+    grad = sub.add_parser("grad", help="print the adjoint function as TVMScript")
+    add_common(grad)
+    grad.add_argument("--all", action="store_true", help="print the whole module")
+    grad.set_defaults(run=_grad)
+
+    check = sub.add_parser("check", help="check gradients against finite differences")
+    add_common(check)
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--low", type=float, default=-1.0, help="random inputs' lower bound")
+    check.add_argument("--high", type=float, default=1.0, help="random inputs' upper bound")
+    check.add_argument("--tol", type=float, help="tolerance (default: from the dtype)")
+    check.set_defaults(run=_check)
+
+    demo = sub.add_parser("demo", help="train an MLP on scikit-learn's digits and print accuracy")
+    demo.add_argument("--epochs", type=int, default=20)
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except GradientError as err:
+        print(f"relaxgrad: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
