@@ -49,27 +49,34 @@ def cross_entropy_with_logits_grad(orig_var, orig_call, output_grad, ctx):
     return [-output_grad * y, -output_grad * x]
 
 
-def _nll_loss_weights_grad(loss, pred, targets, weights, output_grad, attrs):
-    """``d loss / d weights[c]``: ``-sum(pred[:, c] * g)`` over the positions whose target is c;
-    ``reduction="mean"`` then subtracts ``loss * count[c] * g`` and divides by the total weight."""
-    dtype, num_classes = _ty.dtype_of(pred), _ty.static_shape(weights)[0]
+def _nll_loss_weighted_grads(loss, pred, targets, weights, output_grad, attrs):
+    """``(d pred, d weights)`` of a weighted nll_loss, from one-hot targets: a position p with
+    target c adds ``-weights[c] * g[p]`` to ``pred[p, c]`` and ``-pred[p, c] * g[p]`` to
+    ``weights[c]``; for ``reduction="mean"`` g is divided by the total weight W and ``weights[c]``
+    also gets ``-g * loss * count[c] / W``."""
+    dtype, num_classes = _ty.dtype_of(pred), _static_dims(weights, "relax.nn.nll_loss")[0]
     class_axis = 0 if _ty.ndim_of(pred) == 1 else 1
     others = [i for i in range(_ty.ndim_of(pred)) if i != class_axis]
-    hit = astype(one_hot(targets, 1, 0, num_classes, class_axis), dtype)
+    per_class = (num_classes,) + (1,) * (len(others) - class_axis)  # broadcasts over positions
+    hit = astype(one_hot(targets, 1, 0, num_classes, class_axis), dtype)  # 0 for out-of-range
     ignore_index = int(attrs.ignore_index)
-    if 0 <= ignore_index < num_classes:  # an ignored class gets no gradient and no count
-        keep = np.ones((num_classes,) + (1,) * (len(others) - class_axis), dtype)
+    if 0 <= ignore_index < num_classes:
+        keep = np.ones(per_class, dtype)
         keep[ignore_index] = 0
         hit = hit * relax.const(keep, dtype)
+    counts = sum(hit, others) if others else hit
+    g = output_grad
     if attrs.reduction == "none" and others:
-        output_grad = expand_dims(output_grad, class_axis)
-    grad = -(pred * hit * output_grad)
-    counts = hit
+        g = expand_dims(g, class_axis)
+    elif attrs.reduction == "mean":
+        g = g / sum(weights * counts)
+    pred_grad = -(hit * reshape(weights, per_class)) * g
+    weights_grad = -(pred * hit) * g
     if others:
-        grad, counts = sum(grad, others), sum(hit, others)
+        weights_grad = sum(weights_grad, others)
     if attrs.reduction == "mean":
-        grad = (grad - output_grad * loss * counts) / sum(weights * counts)
-    return grad
+        weights_grad = weights_grad - g * loss * counts
+    return pred_grad, weights_grad
 
 
 @register_gradient("relax.nn.nll_loss")
@@ -78,7 +85,7 @@ def nll_loss_grad(orig_var, orig_call, output_grad, ctx):
     ``[nll_loss_backward(g, pred, targets, weights), no_grad, d weights]``."""
     pred, targets, *weights = orig_call.args
     attrs = orig_call.attrs
-    pred_grad = nll_loss_backward(
+    kernel_grad = nll_loss_backward(
         output_grad,
         pred,
         targets,
@@ -86,12 +93,16 @@ def nll_loss_grad(orig_var, orig_call, output_grad, ctx):
         attrs.reduction,
         attrs.ignore_index,
     )
-    partials = [pred_grad, no_grad(targets)]
-    if weights:
-        partials.append(
-            _nll_loss_weights_grad(orig_var, pred, targets, weights[0], output_grad, attrs)
-        )
-    return partials
+    if not weights:
+        return [kernel_grad, no_grad(targets)]
+    pred_grad, weights_grad = _nll_loss_weighted_grads(
+        orig_var, pred, targets, weights[0], output_grad, attrs
+    )
+    # The kernel reads weights[ignore_index], out of bounds for a target equal to an
+    # ignore_index outside the classes (such as the default -100); only then use pred_grad.
+    if 0 <= int(attrs.ignore_index) < _ty.static_shape(weights[0])[0]:
+        pred_grad = kernel_grad
+    return [pred_grad, no_grad(targets), weights_grad]
 
 
 def _relayout(expr, src: str, dst: str, op_name: str):
@@ -106,6 +117,10 @@ def _relayout(expr, src: str, dst: str, op_name: str):
     return permute_dims(expr, [src.index(axis) for axis in dst])
 
 
+def _ints(values) -> list[int]:
+    return [int(v) for v in values]
+
+
 def _static_dims(expr, op_name: str) -> tuple[int, ...]:
     try:
         return _ty.static_shape(expr)
@@ -115,42 +130,48 @@ def _static_dims(expr, op_name: str) -> tuple[int, ...]:
         ) from None
 
 
-def _conv2d_nchw_grads(ctx, x, w, g, attrs, out_dtype):
-    """``(dx, dw)`` of ``g = conv2d(x, w)`` in layouts NCHW/OIHW/NCHW: a transposed convolution
-    for ``dx``; for ``dw`` a convolution of x by g with the batch axis as channels, strides and
-    dilation swapped, cropped to the kernel size."""
-    name = "relax.nn.conv2d"
-    batch, in_channels, in_h, in_w = _static_dims(x, name)
-    out_channels, _, kernel_h, kernel_w = _static_dims(w, name)
-    _, _, grad_h, grad_w = _static_dims(g, name)
-    (stride_h, stride_w), (dilation_h, dilation_w) = attrs.strides, attrs.dilation
-    pad_top, pad_left, pad_bottom, pad_right = attrs.padding
-    groups = int(attrs.groups)
-
-    # the input rows/columns the last output position does not reach
-    covered_h = (grad_h - 1) * stride_h - pad_top - pad_bottom + dilation_h * (kernel_h - 1) + 1
-    covered_w = (grad_w - 1) * stride_w - pad_left - pad_right + dilation_w * (kernel_w - 1) + 1
-    output_padding = (int(in_h - covered_h), int(in_w - covered_w))
-    dx = conv2d_transpose(
-        g, w, attrs.strides, attrs.padding, output_padding, attrs.dilation, groups,
+def _conv2d_data_grad(x, w, g, attrs, out_dtype):
+    """``dx`` of an NCHW/OIHW ``conv2d``: the transposed convolution of g by w, padded at the
+    end by the input rows/columns past the reach of the last output position."""
+    (in_h, in_w), (kernel_h, kernel_w), (grad_h, grad_w) = (
+        _static_dims(t, "relax.nn.conv2d")[2:] for t in (x, w, g)
+    )
+    (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
+    pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
+    output_padding = (
+        in_h - ((grad_h - 1) * stride_h - pad_top - pad_bottom + dilation_h * (kernel_h - 1) + 1),
+        in_w - ((grad_w - 1) * stride_w - pad_left - pad_right + dilation_w * (kernel_w - 1) + 1),
+    )
+    return conv2d_transpose(
+        g, w, attrs.strides, attrs.padding, output_padding, attrs.dilation, attrs.groups,
         "NCHW", "IOHW", "NCHW", out_dtype,
     )  # fmt: skip
 
-    data = x
-    if groups != 1:  # channel index (group, batch), batch index: channel within the group
-        data = reshape(x, (batch, groups, in_channels // groups, in_h, in_w))
-        data = permute_dims(data, [1, 0, 2, 3, 4])
-        data = reshape(data, (batch * groups, in_channels // groups, in_h, in_w))
+
+def _conv2d_weight_grad(x, w, g, attrs, out_dtype):
+    """``dw`` of an NCHW/OIHW ``conv2d``: x convolved by g with batch and channels swapped
+    (layouts CNHW/IOHW) and strides and dilation swapped, cropped to the kernel size."""
+    batch, _, in_h, in_w = _static_dims(x, "relax.nn.conv2d")
+    out_channels, group_channels, kernel_h, kernel_w = _static_dims(w, "relax.nn.conv2d")
+    grad_h, grad_w = _static_dims(g, "relax.nn.conv2d")[2:]
+    (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
+    pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
+    groups = int(attrs.groups)
+    if groups != 1:  # channels ordered (group, batch); the channel within a group as batch
+        x = reshape(x, (batch, groups, group_channels, in_h, in_w))
+        x = permute_dims(x, [1, 0, 2, 3, 4])
+        x = reshape(x, (batch * groups, group_channels, in_h, in_w))
     dw = conv2d(
-        data, g, strides=attrs.dilation, padding=attrs.padding, dilation=attrs.strides,
+        x, g, strides=attrs.dilation, padding=attrs.padding, dilation=attrs.strides,
         groups=groups, data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW",
         out_dtype=out_dtype,
     )  # fmt: skip
-    dw_h, dw_w = _ty.static_shape(ctx.normalize(dw))[2:]
+    dw_h = (in_h + pad_top + pad_bottom - (grad_h - 1) * stride_h - 1) // dilation_h + 1
+    dw_w = (in_w + pad_left + pad_right - (grad_w - 1) * stride_w - 1) // dilation_w + 1
     if dw_h > kernel_h or dw_w > kernel_w:
-        end = [out_channels, in_channels // groups, kernel_h, kernel_w]
+        end = [out_channels, group_channels, kernel_h, kernel_w]
         dw = strided_slice(dw, axes=[0, 1, 2, 3], begin=[0, 0, 0, 0], end=end)
-    return dx, dw
+    return dw
 
 
 @register_gradient("relax.nn.conv2d")
@@ -163,14 +184,11 @@ def conv2d_grad(orig_var, orig_call, output_grad, ctx):
     out_dtype = attrs.out_dtype
     if _ty.dtype_of(output_grad) != _ty.dtype_of(x):  # out_dtype widened the result
         output_grad, out_dtype = astype(output_grad, _ty.dtype_of(x)), _ty.dtype_of(x)
-    dx, dw = _conv2d_nchw_grads(
-        ctx,
-        ctx.normalize(_relayout(x, attrs.data_layout, "NCHW", name)),
-        ctx.normalize(_relayout(w, attrs.kernel_layout, "OIHW", name)),
-        ctx.normalize(_relayout(output_grad, attrs.out_layout, "NCHW", name)),
-        attrs,
-        out_dtype,
-    )
+    x = ctx.normalize(_relayout(x, attrs.data_layout, "NCHW", name))
+    w = ctx.normalize(_relayout(w, attrs.kernel_layout, "OIHW", name))
+    g = ctx.normalize(_relayout(output_grad, attrs.out_layout, "NCHW", name))
+    dx = _conv2d_data_grad(x, w, g, attrs, out_dtype)
+    dw = _conv2d_weight_grad(x, w, g, attrs, out_dtype)
     return [
         _relayout(dx, "NCHW", attrs.data_layout, name),
         _relayout(dw, "OIHW", attrs.kernel_layout, name),

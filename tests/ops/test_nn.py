@@ -58,7 +58,16 @@ CASES += [
          **_nll((4, 5), TARGETS, weighted=True))
     for reduction in ("mean", "sum", "none")
 ]
+# The default ignore_index -100 is out of the classes: TVM's kernel would read weights[-100].
 CASES += [
+    Case(f"nll_loss_ignored_target_{reduction}",
+         lambda p, t, w, r=reduction: op.nn.nll_loss(p, t, w, reduction=r),
+         **_nll((4, 5), [1, -100, 0, 1], weighted=True))
+    for reduction in ("mean", "sum", "none")
+]
+CASES += [
+    Case("nll_loss_ignored_target_unweighted", lambda p, t: op.nn.nll_loss(p, t),
+         **_nll((4, 5), [1, -100, 0, 1])),
     Case("nll_loss_ignore_index_unweighted",
          lambda p, t: op.nn.nll_loss(p, t, ignore_index=1), **_nll((4, 5), TARGETS)),
     Case("nll_loss_no_batch", lambda p, t, w: op.nn.nll_loss(p, t, w), **_nll((5,), 2, True)),
