@@ -22,12 +22,9 @@ CASES = [
 
 # Comparisons have no gradient; they are tested as the condition of a where.
 CASES += [
-    Case(
-        f"{name}_in_where",
-        lambda x, y, cmp=getattr(op, name): op.where(cmp(x, y), x, y),
-        [(3, 4), (3, 4)],
-    )
-    for name in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal")
+    Case(f"{cmp.__name__}_in_where", lambda x, y, cmp=cmp: op.where(cmp(x, y), x, y),
+         [(3, 4), (3, 4)])
+    for cmp in (op.equal, op.not_equal, op.greater, op.greater_equal, op.less, op.less_equal)
 ]
 
 

@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from tvm import tirx
 from tvm.relax import op
 
 from relaxgrad import GradientError
@@ -153,4 +154,13 @@ def test_pool_dilation_has_no_rule(pool):
 def test_conv2d_packed_layout_has_no_rule():
     case = Case("packed", **_conv((1, 1, 4, 4, 4), (4, 4, 3, 3), data_layout="NCHW4c"))
     with pytest.raises(GradientError, match="relax.nn.conv2d .*layout NCHW4c"):
+        run_case(case)
+
+
+def test_conv2d_symbolic_shape_has_no_rule():
+    shapes = [(tirx.Var("n", "int64"), 2, 5, 5), (3, 2, 3, 3)]
+    values = [(1, 2, 5, 5), (3, 2, 3, 3)]
+    case = Case("symbolic", lambda x, w: op.sum(op.nn.conv2d(x, w)), shapes,
+                inputs=lambda rng: [rng.uniform(-1, 1, v) for v in values])
+    with pytest.raises(GradientError, match="relax.nn.conv2d .*symbolic shapes"):
         run_case(case)
