@@ -7,6 +7,11 @@ A rule has TVM's FPrimalGradient signature::
 returning one partial per argument of ``orig_call`` (``relax.op.grad.no_grad(arg)`` where the
 argument gets no gradient). ``orig_var``/``orig_call`` are the checkpointed forward binding, so a
 rule may reuse the forward result.
+
+Return partials as (nested) expressions: the pass normalizes them, emitting nested calls as
+bindings in order. A rule may call ``ctx.normalize`` (e.g. to read a shape), but that emits the
+nested calls earlier, which changes the binding order of the adjoint (harmless, but it no longer
+matches TVM's pass structurally).
 """
 
 from __future__ import annotations
