@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import operator
 
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax import BlockBuilder, Expr
 from tvm.sym import Analyzer
@@ -17,7 +18,9 @@ def fit_shape(ctx: BlockBuilder, grad: Expr, like: Expr) -> Expr:
     ``collapse_sum_to(grad, like.shape)`` (undoes broadcasting)."""
     target = _ty.shape_of(like)
     got = _ty.shape_of(ctx.normalize(grad))
-    if got is not None and _same_shape(got.values, target.values):
+    if got is not None and (
+        tvm_ffi.structural_equal(got, target) or _same_shape(got.values, target.values)
+    ):
         return grad
     return relax.op.collapse_sum_to(grad, target)
 
