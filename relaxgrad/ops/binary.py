@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import greater_equal, less, log, where
+from tvm.relax.op import divide, exp, floor, greater_equal, less, log, trunc, where
 
 from ._utils import const, fit_shape
 from .registry import register_gradient, register_no_grad
@@ -72,7 +72,42 @@ def minimum_grad(x, y, z, g):
     return where(greater_equal(x, y), zero, g), where(less(x, y), zero, g)
 
 
+@register_gradient("relax.floor_mod")
+@_binary
+def floor_mod_grad(x, y, z, g):
+    """Forward: ``z = x - floor(x / y) * y``; backward: ``[g, -g * floor(x / y)]``."""
+    return g, -g * floor(divide(x, y))
+
+
+@register_gradient("relax.mod")
+@_binary
+def mod_grad(x, y, z, g):
+    """Forward: ``z = x - trunc(x / y) * y``; backward: ``[g, -g * trunc(x / y)]``."""
+    return g, -g * trunc(divide(x, y))
+
+
+@register_gradient("relax.log_add_exp")
+@_binary
+def log_add_exp_grad(x, y, z, g):
+    """Forward: ``z = log(exp(x) + exp(y))``; backward: ``[g * exp(x - z), g * exp(y - z)]``."""
+    return g * exp(x - z), g * exp(y - z)
+
+
+@register_gradient("relax.atan2")
+@_binary
+def atan2_grad(x, y, z, g):
+    """Forward: ``z = atan2(x, y)``; backward: ``[g * y / (x^2 + y^2), -g * x / (x^2 + y^2)]``."""
+    scaled = g / (x * x + y * y)
+    return scaled * y, -scaled * x
+
+
+# Comparisons, logical and bitwise ops, and floor_divide (piecewise constant) have no gradient.
 register_no_grad(
     f"relax.{name}"
-    for name in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal")
-)
+    for name in (
+        "equal", "not_equal", "greater", "greater_equal", "less", "less_equal",
+        "logical_and", "logical_or", "logical_xor",
+        "bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift",
+        "floor_divide",
+    )
+)  # fmt: skip

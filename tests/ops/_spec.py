@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import tvm
 from tvm import relax
 
+import relaxgrad
 from relaxgrad.testing import check_gradients, loss_module
 
 
@@ -16,7 +18,8 @@ class Case:
     """``fn(*vars)`` builds the op under test from params of ``shapes`` (and ``dtype``).
 
     ``inputs(rng)`` overrides the random inputs (e.g. integer indices); ``wrt`` selects the
-    params to check (default: every float param).
+    params to check (default: every float param); ``eps``/``tol`` override the finite-difference
+    step and tolerance of the dtype.
     """
 
     id: str
@@ -27,6 +30,8 @@ class Case:
     high: float = 1.0
     inputs: Callable | None = None
     wrt: Sequence[int] | None = None
+    eps: float | None = None
+    tol: float | None = None
 
     def dtypes(self) -> list[str]:
         return [self.dtype] * len(self.shapes) if isinstance(self.dtype, str) else list(self.dtype)
@@ -45,9 +50,42 @@ class Case:
 
 
 def run_case(case: Case, seed: int = 0) -> None:
+    if "float16" in case.dtypes():
+        _run_half_case(case, seed)
+        return
     mod = loss_module(case.fn, case.types(), seed=seed)
-    result = check_gradients(mod, inputs=case.make_inputs(seed), wrt=case.wrt, seed=seed)
+    result = check_gradients(
+        mod, inputs=case.make_inputs(seed), wrt=case.wrt, seed=seed, eps=case.eps, tol=case.tol
+    )
     assert result.ok, f"{case.id}\n{result}"
+
+
+def _run_half_case(case: Case, seed: int) -> None:
+    """float16: finite differences drown in rounding, so the float16 adjoint is compared with
+    the float64 adjoint of the same case on the same inputs (tests check that one by finite
+    differences)."""
+    wide = replace(case, dtype=["float64" if d == "float16" else d for d in case.dtypes()])
+    inputs = case.make_inputs(seed)
+    wide_inputs = [a.astype("float64") if a.dtype == np.float16 else a for a in inputs]
+    half, ref = adjoints(case, inputs, seed), adjoints(wide, wide_inputs, seed)
+    for i, (h, r) in enumerate(zip(half, ref)):
+        assert h.dtype == np.float16, f"{case.id}: gradient {i} is {h.dtype}, not float16"
+        scale = max(1.0, float(np.max(np.abs(r))))
+        err = float(np.max(np.abs(h.astype("float64") - r))) / scale
+        assert err <= (case.tol or 2e-2), f"{case.id}: gradient {i} off by {err:.3g} (relative)"
+
+
+def adjoints(case: Case, inputs, seed: int = 0) -> list[np.ndarray]:
+    """The gradients relaxgrad computes for the case's loss module on ``inputs`` (llvm)."""
+    mod = loss_module(case.fn, case.types(), seed=seed)
+    params = list(mod["main"].params)
+    wrt = case.wrt
+    if wrt is None:
+        wrt = [i for i, d in enumerate(case.dtypes()) if d.startswith("float")]
+    mod = relaxgrad.Gradient("main", [params[i] for i in wrt])(mod)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(np.asarray(a)) for a in inputs])
+    return [g.numpy() for g in grads]
 
 
 def ids(cases):
