@@ -1,0 +1,25 @@
+"""Training on relaxgrad's gradients: losses appended to model functions, optimizers whose step
+is compiled Relax code, a ``Trainer``, model builders and the digits dataset."""
+
+from .datasets import Split, load_digits, minibatches
+from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
+from .models import Model, cnn, mlp
+from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "CrossEntropyLoss",
+    "Loss",
+    "MSELoss",
+    "Model",
+    "MomentumSGD",
+    "Optimizer",
+    "Split",
+    "append_loss",
+    "cnn",
+    "load_digits",
+    "minibatches",
+    "mlp",
+]

@@ -1,0 +1,189 @@
+"""Losses, and :func:`append_loss`, which appends one to a model function.
+
+A :class:`Loss` emits ``loss(prediction, target)`` into a BlockBuilder using only ops that have
+relaxgrad rules. Calling it with the types of the prediction and the target also returns a
+standalone Relax function, TVM's loss protocol, so it works with
+``tvm.relax.training.AppendLoss`` and ``SetupTrainer``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import tvm
+from tvm import relax
+from tvm.ir import IRModule
+from tvm.relax import op
+
+from .. import _ty
+
+__all__ = ["CrossEntropyLoss", "Loss", "MSELoss", "append_loss"]
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+class Loss:
+    """Base class: a loss of one prediction and one target.
+
+    Parameters
+    ----------
+    reduction : "mean", "sum" or "none"
+        How per-element (or per-sample) losses are reduced to the result; ``"none"`` returns the
+        per-sample losses, a tensor of shape ``(batch,)``.
+    """
+
+    name: str = "loss"
+    num_backbone_outputs: int = 1  # TVM's loss protocol
+    classifies: bool = False  # whether argmax of the prediction is a class (for accuracy)
+
+    def __init__(self, reduction: Reduction = "mean"):
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"{type(self).__name__}: unknown reduction {reduction!r}")
+        self.reduction = reduction
+
+    def emit(self, bb: relax.BlockBuilder, prediction: relax.Expr, target: relax.Expr):
+        """Emit the loss of ``prediction`` against ``target`` into ``bb``; returns its var."""
+        raise NotImplementedError
+
+    def target_type(self, prediction: relax.Type) -> relax.Type:
+        """The default target type for a prediction of type ``prediction``."""
+        raise NotImplementedError
+
+    def with_reduction(self, reduction: Reduction) -> Loss:
+        """A copy of this loss with another reduction."""
+        other = copy.copy(self)
+        Loss.__init__(other, reduction)
+        return other
+
+    def __call__(
+        self, prediction: relax.Type | relax.Var, target: relax.Type | relax.Var | None = None
+    ) -> relax.Function:
+        """The standalone function ``<name>(predictions, targets) -> loss``."""
+        pred_var = _as_var(prediction, "predictions")
+        if target is None:
+            target = self.target_type(pred_var.ty)
+        target_var = _as_var(target, "targets")
+        bb = relax.BlockBuilder()
+        with bb.function(self.name, [pred_var, target_var]):
+            with bb.dataflow():
+                out = bb.emit_output(self.emit(bb, pred_var, target_var))
+            bb.emit_func_output(out)
+        return bb.get()[self.name]
+
+    def _reduce(self, bb: relax.BlockBuilder, elementwise: relax.Expr, batch_axis_only: bool):
+        """Reduce an elementwise loss: mean/sum over everything, or "none": the mean over all
+        axes but the first (the sum when ``batch_axis_only`` says they are class axes)."""
+        if self.reduction == "mean":
+            return bb.emit(op.mean(elementwise))
+        if self.reduction == "sum":
+            return bb.emit(op.sum(elementwise))
+        axes = list(range(1, _ty.ndim_of(elementwise)))
+        if not axes:
+            return bb.emit(elementwise)
+        reduce = op.sum if batch_axis_only else op.mean
+        return bb.emit(reduce(elementwise, axes))
+
+
+class MSELoss(Loss):
+    """``reduce((prediction - target) ** 2)``, as ``torch.nn.MSELoss``."""
+
+    name = "mse_loss"
+
+    def emit(self, bb, prediction, target):
+        diff = bb.emit(prediction - target)
+        return self._reduce(bb, bb.emit(diff * diff), batch_axis_only=False)
+
+    def target_type(self, prediction):
+        return prediction
+
+
+class CrossEntropyLoss(Loss):
+    """Cross-entropy of logits ``(batch, classes)`` against integer labels ``(batch,)`` or
+    one-hot / probability targets ``(batch, classes)``, as ``torch.nn.CrossEntropyLoss``.
+
+    Integer labels go through ``nll_loss(log_softmax(logits), labels)``; float targets through
+    ``cross_entropy_with_logits(log_softmax(logits), targets)`` (mean over the batch).
+    """
+
+    name = "cross_entropy_loss"
+    classifies = True
+
+    def emit(self, bb, prediction, target):
+        log_probs = bb.emit(op.nn.log_softmax(prediction))
+        if not _ty.is_float_tensor(target):
+            return bb.emit(op.nn.nll_loss(log_probs, target, reduction=self.reduction))
+        if self.reduction == "mean":
+            return bb.emit(op.nn.cross_entropy_with_logits(log_probs, target))
+        return self._reduce(bb, bb.emit(-(log_probs * target)), batch_axis_only=True)
+
+    def target_type(self, prediction):
+        return relax.TensorType(_ty.shape_values(prediction)[:1], "int64")
+
+
+def append_loss(
+    mod: IRModule,
+    loss: Loss,
+    func_name: str = "main",
+    target_type: relax.Type | None = None,
+    loss_func_name: str | None = None,
+) -> IRModule:
+    """A copy of ``mod`` with ``<func_name>_loss(*params of func_name, target) -> loss`` added.
+
+    The new function runs ``func_name``'s bindings, then ``loss`` on its result, in one dataflow
+    block, so :func:`relaxgrad.Gradient` can differentiate it.
+
+    Parameters
+    ----------
+    mod : IRModule
+        Module holding the model function.
+    loss : Loss
+        The loss to append.
+    func_name : str
+        The model function: one dataflow block returning one tensor.
+    target_type : relax.Type, optional
+        Type of the target parameter; ``loss.target_type(<result type>)`` by default.
+    loss_func_name : str, optional
+        Name of the new function; ``<func_name>_loss`` by default.
+    """
+    func = _model_function(mod, func_name)
+    copied = relax.utils.copy_with_new_vars(func)
+    block, result = copied.body.blocks[0], copied.body.body
+    target = relax.Var("target", target_type or loss.target_type(result.ty))
+    name = loss_func_name or f"{func_name}_loss"
+    bb = relax.BlockBuilder()
+    with bb.function(name, [*copied.params, target]):
+        with bb.dataflow():
+            for binding in block.bindings:
+                bb.emit_normalized(binding)
+            out = bb.emit_output(loss.emit(bb, result, target))
+        bb.emit_func_output(out)
+    new = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
+    existing = [gv for gv in new.get_global_vars() if gv.name_hint == name]
+    new[existing[0] if existing else tvm.ir.GlobalVar(name)] = bb.get()[name]
+    return new
+
+
+def _model_function(mod: IRModule, func_name: str) -> relax.Function:
+    names = {gv.name_hint: gv for gv in mod.get_global_vars()}
+    func = mod[names[func_name]] if func_name in names else None
+    if not isinstance(func, relax.Function):
+        raise ValueError(f"append_loss: the module has no Relax function named {func_name!r}")
+    blocks = func.body.blocks
+    if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
+        raise ValueError(
+            f"append_loss: function {func_name} must have exactly one binding block, a dataflow "
+            f"block; it has {len(blocks)}"
+        )
+    if not (isinstance(func.body.body, relax.Var) and _ty.is_tensor(func.body.body)):
+        raise ValueError(
+            f"append_loss: function {func_name} must return one tensor var, not "
+            f"{func.body.body}"
+        )
+    return func
+
+
+def _as_var(value: relax.Type | relax.Var, name: str) -> relax.Var:
+    if isinstance(value, relax.Var):
+        return relax.Var(value.name, value.ty)
+    return relax.Var(name, value)

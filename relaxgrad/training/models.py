@@ -1,0 +1,147 @@
+"""Model builders: Relax functions ``main(x, *params) -> logits`` with static shapes, and their
+initial parameters.
+
+Weights use PyTorch's layouts (dense ``(out, in)``, conv ``OIHW``) and its default
+initialization (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for weights and biases), so a
+``torch.nn`` twin can load the same values by name (``fc0_weight`` -> ``fc0.weight``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+from .. import _ty
+
+__all__ = ["Model", "cnn", "mlp"]
+
+
+@dataclass
+class Model:
+    """A model function and initial values of its trainable parameters.
+
+    ``mod[func_name]`` takes the input batch first, then the parameters named in ``params``
+    (in that order), and returns logits.
+    """
+
+    mod: tvm.IRModule
+    params: dict[str, np.ndarray]
+    func_name: str = "main"
+
+    @property
+    def batch_size(self) -> int:
+        """The static batch size of the input."""
+        return _ty.static_shape(self.mod[self.func_name].params[0])[0]
+
+
+class _Builder:
+    """Collects parameter vars and their initial values while a model is being emitted."""
+
+    def __init__(self, dtype: str, seed: int):
+        self.dtype = dtype
+        self.rng = np.random.default_rng(seed)
+        self.vars: list[relax.Var] = []
+        self.values: dict[str, np.ndarray] = {}
+
+    def param(self, name: str, shape: tuple[int, ...], fan_in: int) -> relax.Var:
+        bound = 1.0 / np.sqrt(fan_in)
+        self.values[name] = self.rng.uniform(-bound, bound, shape).astype(self.dtype)
+        var = relax.Var(name, relax.TensorType(shape, self.dtype))
+        self.vars.append(var)
+        return var
+
+    def dense(self, name: str, in_features: int, out_features: int):
+        """``x -> x @ w.T + b`` with ``w`` of shape ``(out, in)``."""
+        w = self.param(f"{name}_weight", (out_features, in_features), in_features)
+        b = self.param(f"{name}_bias", (out_features,), in_features)
+        return lambda x: op.add(op.matmul(x, op.permute_dims(w)), b)
+
+    def conv(self, name: str, in_channels: int, out_channels: int, kernel: int):
+        """A same-padded ``kernel x kernel`` convolution with bias (NCHW, OIHW)."""
+        fan_in = in_channels * kernel * kernel
+        w = self.param(f"{name}_weight", (out_channels, in_channels, kernel, kernel), fan_in)
+        b = self.param(f"{name}_bias", (out_channels,), fan_in)
+        bias = op.reshape(b, (1, out_channels, 1, 1))
+        return lambda x: op.add(op.nn.conv2d(x, w, padding=kernel // 2), bias)
+
+
+def _build(x: relax.Var, builder: _Builder, layers) -> Model:
+    """Emit ``layers`` (callables ``Expr -> Expr``) on ``x`` as ``main(x, *params)``."""
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *builder.vars]):
+        with bb.dataflow():
+            h = x
+            for layer in layers:
+                h = bb.emit(layer(h))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return Model(bb.get(), builder.values)
+
+
+def mlp(
+    batch_size: int = 32,
+    in_features: int = 64,
+    hidden: Sequence[int] = (64,),
+    num_classes: int = 10,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Model:
+    """A multilayer perceptron: ``dense -> relu`` per hidden layer, then a dense layer to logits.
+
+    Parameters are named ``fc<i>_weight`` and ``fc<i>_bias``.
+    """
+    builder = _Builder(dtype, seed)
+    x = relax.Var("x", relax.TensorType((batch_size, in_features), dtype))
+    sizes = [in_features, *hidden, num_classes]
+    layers = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(builder.dense(f"fc{i}", n_in, n_out))
+        if i < len(sizes) - 2:
+            layers.append(op.nn.relu)
+    return _build(x, builder, layers)
+
+
+def cnn(
+    batch_size: int = 32,
+    image: tuple[int, int, int] = (1, 8, 8),
+    channels: Sequence[int] = (16, 32),
+    pools: Sequence[str] = ("max", "avg"),
+    kernel: int = 3,
+    num_classes: int = 10,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Model:
+    """A small convolutional network on NCHW images.
+
+    Each stage ``i`` is ``conv2d(kernel, same padding) -> relu -> pools[i] 2x2 pooling``
+    (``"max"`` or ``"avg"``), halving height and width; then a reshape to ``(batch, features)``
+    and a dense layer to logits. Parameters: ``conv<i>_weight``, ``conv<i>_bias``, ``fc_weight``,
+    ``fc_bias``.
+    """
+    if len(pools) != len(channels):
+        raise ValueError(f"cnn: pools {tuple(pools)} must have one entry per stage {channels}")
+    pool_ops = {"max": op.nn.max_pool2d, "avg": op.nn.avg_pool2d}
+    builder = _Builder(dtype, seed)
+    x = relax.Var("x", relax.TensorType((batch_size, *image), dtype))
+    in_channels, height, width = image
+    layers = []
+    for i, (out_channels, pool) in enumerate(zip(channels, pools)):
+        if pool not in pool_ops or height % 2 or width % 2:
+            raise ValueError(f"cnn: stage {i} cannot {pool!r}-pool a {height}x{width} map by 2")
+        layers += [
+            builder.conv(f"conv{i}", in_channels, out_channels, kernel),
+            op.nn.relu,
+            lambda h, pool_op=pool_ops[pool]: pool_op(h, 2, 2),
+        ]
+        in_channels, height, width = out_channels, height // 2, width // 2
+    features = in_channels * height * width
+    layers += [
+        lambda h: op.reshape(h, (batch_size, features)),
+        builder.dense("fc", features, num_classes),
+    ]
+    return _build(x, builder, layers)

@@ -1,0 +1,235 @@
+"""Optimizers whose step is a Relax function, compiled with the model, with state as tensors.
+
+An optimizer follows TVM's optimizer protocol (``tvm.relax.training.optimizer``), so it also
+works with ``SetupTrainer``: ``init(params)`` records the parameter vars and sets ``state``, the
+initial state tensors; ``get_function()`` returns
+``optimizer(params, gradients, optim_states) -> (new_params, new_optim_states)`` over tuples.
+
+The state is ``(step, <slot 0 of each param>..., <slot 1 of each param>..., ...)``: ``step`` is
+a scalar of the parameters' dtype, counting updates; the slots (momentum buffers, Adam's
+moments) are shaped like the parameters and start at zero. Each subclass only writes the update
+of one parameter, ``_update``; the formulas are PyTorch's (``torch.optim``), step counted from 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+from .. import _ty
+
+__all__ = ["SGD", "Adam", "AdamW", "MomentumSGD", "Optimizer"]
+
+
+class Optimizer:
+    """Base class: builds the optimizer function around :meth:`_update`.
+
+    Parameters
+    ----------
+    lr : float
+        Learning rate.
+    weight_decay : float
+        L2 penalty added to the gradient (``g + weight_decay * p``); :class:`AdamW` decays the
+        parameter itself instead.
+    """
+
+    name: str = "optimizer"
+    slots: tuple[str, ...] = ()  # per-parameter state tensors, in state order
+
+    def __init__(self, lr: float, weight_decay: float = 0.0):
+        if lr <= 0.0 or weight_decay < 0.0:
+            raise ValueError(
+                f"{type(self).__name__}: need lr > 0 and weight_decay >= 0, got {lr}, "
+                f"{weight_decay}"
+            )
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+        self.param_list: list[relax.Var] | None = None
+        self.dtype: str | None = None
+        self.state: list[tvm.runtime.Tensor] | None = None
+
+    def init(self, params: relax.Var | Sequence[relax.Var]) -> Optimizer:
+        """Set the parameters to optimize (float tensors of one dtype, static shapes) and reset
+        ``state`` to step 0 with zero slots."""
+        params = [params] if isinstance(params, relax.Var) else list(params)
+        self.param_list, self.dtype = params, _check_params(type(self).__name__, params)
+        zeros = [np.zeros(_ty.static_shape(p), self.dtype) for p in params]
+        values = [np.zeros((), self.dtype)] + [z for _ in self.slots for z in zeros]
+        self.state = [tvm.runtime.tensor(v) for v in values]
+        return self
+
+    def get_function(self) -> relax.Function:
+        """``optimizer(params, gradients, optim_states) -> (new_params, new_optim_states)``."""
+        if self.param_list is None:
+            raise RuntimeError(f"{type(self).__name__}: call init(params) before get_function()")
+        params, n = self.param_list, len(self.param_list)
+        param_tuple = relax.TupleType([p.ty for p in params])
+        state_tys = [relax.TensorType((), self.dtype)] + [p.ty for _ in self.slots for p in params]
+        p_var = relax.Var("params", param_tuple)
+        g_var = relax.Var("gradients", param_tuple)
+        s_var = relax.Var("optim_states", relax.TupleType(state_tys))
+        bb = relax.BlockBuilder()
+        with bb.function(self.name, [p_var, g_var, s_var]):
+            with bb.dataflow():
+                step = bb.emit(relax.TupleGetItem(s_var, 0) + self._const(1), "step")
+                new_params, new_slots = [], [[None] * n for _ in self.slots]
+                for i, param in enumerate(params):
+                    name = param.name
+                    p = bb.emit(relax.TupleGetItem(p_var, i), name)
+                    g = bb.emit(relax.TupleGetItem(g_var, i), f"{name}_grad")
+                    slots = [
+                        bb.emit(relax.TupleGetItem(s_var, 1 + k * n + i), f"{name}_{slot}")
+                        for k, slot in enumerate(self.slots)
+                    ]
+                    p_new, slots_new = self._update(bb, p, g, slots, step)
+                    new_params.append(bb.emit(p_new, f"{name}_new"))
+                    for k, slot in enumerate(self.slots):
+                        new_slots[k][i] = bb.emit(slots_new[k], f"{name}_{slot}_new")
+                state = [step] + [v for per_slot in new_slots for v in per_slot]
+                out_params = bb.emit_output(relax.Tuple(new_params), "params_new")
+                out_state = bb.emit_output(relax.Tuple(state), "optim_states_new")
+            bb.emit_func_output(relax.Tuple([out_params, out_state]))
+        return bb.get()[self.name]
+
+    def _update(self, bb: relax.BlockBuilder, p, g, slots: list, step):
+        """``(new param, [new slot, ...])`` for one parameter ``p`` with gradient ``g``; ``step``
+        is the step count including this update (1 at the first)."""
+        raise NotImplementedError
+
+    def _const(self, value: float) -> relax.Constant:
+        return relax.const(value, self.dtype)
+
+    def _l2(self, bb: relax.BlockBuilder, p, g):
+        """The gradient with the L2 penalty: ``g + weight_decay * p``."""
+        if not self.weight_decay:
+            return g
+        return bb.emit(g + self._const(self.weight_decay) * p)
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(
+            f"{k}={v}" for k, v in vars(self).items() if k not in ("param_list", "dtype", "state")
+        )
+        return f"{type(self).__name__}({hyper})"
+
+
+class SGD(Optimizer):
+    """Plain gradient descent: ``p -= lr * (g + weight_decay * p)`` (``torch.optim.SGD``)."""
+
+    def _update(self, bb, p, g, slots, step):
+        return p - self._const(self.lr) * self._l2(bb, p, g), []
+
+
+class MomentumSGD(Optimizer):
+    """SGD with momentum, as ``torch.optim.SGD(momentum=...)``.
+
+    ``g += weight_decay * p``; ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at
+    the first step); ``p -= lr * (g + momentum * buf if nesterov else buf)``.
+    """
+
+    slots = ("momentum",)
+
+    def __init__(
+        self,
+        lr: float,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
+        super().__init__(lr, weight_decay)
+        if nesterov and (momentum <= 0.0 or dampening != 0.0):
+            raise ValueError("MomentumSGD: nesterov needs momentum > 0 and zero dampening")
+        self.momentum, self.dampening, self.nesterov = float(momentum), float(dampening), nesterov
+
+    def _update(self, bb, p, g, slots, step):
+        c = self._const
+        g = self._l2(bb, p, g)
+        buf = bb.emit(c(self.momentum) * slots[0] + c(1.0 - self.dampening) * g)
+        if self.dampening:
+            buf = bb.emit(op.where(op.equal(step, c(1)), g, buf))
+        direction = g + c(self.momentum) * buf if self.nesterov else buf
+        return p - c(self.lr) * direction, [buf]
+
+
+class Adam(Optimizer):
+    """Adam with bias correction, as ``torch.optim.Adam`` (``amsgrad=False``).
+
+    ``g += weight_decay * p``; ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) *
+    g * g``; ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+    """
+
+    slots = ("m", "v")
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        super().__init__(lr, weight_decay)
+        if not all(0.0 <= b < 1.0 for b in betas) or eps < 0.0:
+            raise ValueError(f"{type(self).__name__}: need betas in [0, 1) and eps >= 0")
+        self.betas, self.eps = (float(betas[0]), float(betas[1])), float(eps)
+
+    def _update(self, bb, p, g, slots, step):
+        c, (beta1, beta2) = self._const, self.betas
+        g = self._l2(bb, p, g)
+        p = self._decay(bb, p)
+        m = bb.emit(slots[0] + c(1.0 - beta1) * (g - slots[0]))
+        v = bb.emit(c(beta2) * slots[1] + c(1.0 - beta2) * (g * g))
+        step_size = c(self.lr) / (c(1.0) - op.power(c(beta1), step))
+        correction2 = op.sqrt(c(1.0) - op.power(c(beta2), step))
+        denom = op.sqrt(v) / correction2 + c(self.eps)
+        return p - step_size * (m / denom), [m, v]
+
+    def _decay(self, bb, p):
+        """The parameter before the update (decayed in place by :class:`AdamW`)."""
+        return p
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW``: first
+    ``p *= 1 - lr * weight_decay``, then Adam's update without the L2 penalty."""
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        super().__init__(lr, betas, eps, weight_decay)
+
+    def _l2(self, bb, p, g):
+        return g
+
+    def _decay(self, bb, p):
+        if not self.weight_decay:
+            return p
+        return bb.emit(p * self._const(1.0 - self.lr * self.weight_decay))
+
+
+def _check_params(owner: str, params: list[relax.Var]) -> str:
+    """Validate the parameters to optimize; returns their common dtype."""
+    if not params:
+        raise ValueError(f"{owner}: no parameters to optimize")
+    dtypes, seen = set(), set()
+    for p in params:
+        if not isinstance(p, relax.Var) or not _ty.is_float_tensor(p.ty):
+            raise ValueError(f"{owner}: parameters must be float tensor Vars, got {p!r}")
+        try:
+            _ty.static_shape(p)
+        except TypeError as err:
+            raise ValueError(f"{owner}: parameter {p.name} has a symbolic shape {p.ty}") from err
+        if _ty.key(p) in seen:
+            raise ValueError(f"{owner}: parameter {p.name} appears more than once")
+        seen.add(_ty.key(p))
+        dtypes.add(_ty.dtype_of(p))
+    if len(dtypes) > 1:
+        raise ValueError(f"{owner}: all parameters must have one dtype, got {sorted(dtypes)}")
+    return dtypes.pop()

@@ -1,0 +1,169 @@
+"""Optimizers: compiled steps against closed-form numpy updates and against torch.optim."""
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from relaxgrad.training import SGD, Adam, AdamW, MomentumSGD, Optimizer
+
+SHAPES = [(5, 3), (3,), ()]
+STEPS = 5
+
+
+def _problem(dtype="float32"):
+    """Initial values and one gradient per step for params of SHAPES."""
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(s).astype(dtype) for s in SHAPES]
+    grads = [[rng.standard_normal(s).astype(dtype) for s in SHAPES] for _ in range(STEPS)]
+    return values, grads
+
+
+def _run(optimizer: Optimizer, values, grads):
+    """Parameters after each step of the compiled optimizer function."""
+    params = [relax.Var(f"p{i}", relax.TensorType(v.shape, v.dtype)) for i, v in enumerate(values)]
+    optimizer.init(params)
+    mod = tvm.IRModule({"optimizer": optimizer.get_function()})
+    step = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["optimizer"]
+    current, state, history = [tvm.runtime.tensor(v) for v in values], optimizer.state, []
+    for g in grads:
+        current, state = step(current, [tvm.runtime.tensor(x) for x in g], state)
+        history.append([p.numpy() for p in current])
+    return history, [s.numpy() for s in state]
+
+
+# Closed-form updates, written from torch.optim's documented algorithms, in float64.
+def _sgd(p, g, slots, t, lr, weight_decay=0.0):
+    return p - lr * (g + weight_decay * p), []
+
+
+def _momentum(p, g, slots, t, lr, momentum, dampening=0.0, weight_decay=0.0, nesterov=False):
+    g = g + weight_decay * p
+    buf = g if t == 1 else momentum * slots[0] + (1 - dampening) * g
+    return p - lr * (g + momentum * buf if nesterov else buf), [buf]
+
+
+def _adam(p, g, slots, t, lr, betas, eps, weight_decay, decoupled):
+    (b1, b2), (m, v) = betas, slots
+    if decoupled:
+        p = p * (1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+    return p - lr * m_hat / (np.sqrt(v_hat) + eps), [m, v]
+
+
+def _reference(update, n_slots, values, grads, **hyper):
+    params = [v.astype("float64") for v in values]
+    slots = [[np.zeros_like(p) for _ in range(n_slots)] for p in params]
+    history = []
+    for t, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            params[i], slots[i] = update(params[i], g.astype("float64"), slots[i], t, **hyper)
+        history.append(list(params))
+    return history
+
+
+# id -> (our optimizer, closed form, slots, hyperparameters, torch.optim factory)
+CASES = {
+    "sgd": (lambda: SGD(0.1), _sgd, 0, {"lr": 0.1}, lambda t, p: t.optim.SGD(p, 0.1)),
+    "sgd_wd": (lambda: SGD(0.1, weight_decay=0.3), _sgd, 0, {"lr": 0.1, "weight_decay": 0.3},
+               lambda t, p: t.optim.SGD(p, 0.1, weight_decay=0.3)),
+    "momentum": (lambda: MomentumSGD(0.1, 0.9, weight_decay=0.1), _momentum, 1,
+                 {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1},
+                 lambda t, p: t.optim.SGD(p, 0.1, momentum=0.9, weight_decay=0.1)),
+    "dampening": (lambda: MomentumSGD(0.1, 0.8, dampening=0.3), _momentum, 1,
+                  {"lr": 0.1, "momentum": 0.8, "dampening": 0.3},
+                  lambda t, p: t.optim.SGD(p, 0.1, momentum=0.8, dampening=0.3)),
+    "nesterov": (lambda: MomentumSGD(0.1, 0.9, nesterov=True), _momentum, 1,
+                 {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+                 lambda t, p: t.optim.SGD(p, 0.1, momentum=0.9, nesterov=True)),
+    "adam": (lambda: Adam(0.01), _adam, 2,
+             {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+              "decoupled": False},
+             lambda t, p: t.optim.Adam(p, 0.01)),
+    "adam_l2": (lambda: Adam(0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), _adam, 2,
+                {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1,
+                 "decoupled": False},
+                lambda t, p: t.optim.Adam(p, 0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adamw": (lambda: AdamW(0.01, weight_decay=0.1), _adam, 2,
+              {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1,
+               "decoupled": True},
+              lambda t, p: t.optim.AdamW(p, 0.01, weight_decay=0.1)),
+}
+
+
+@functools.cache
+def _ours(case):
+    """Our optimizer's parameter history and final state on ``_problem()`` (compiled once)."""
+    return _run(CASES[case][0](), *_problem())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_closed_form(case):
+    _, update, n_slots, hyper, _ = CASES[case]
+    values, grads = _problem()
+    got, state = _ours(case)
+    expected = _reference(update, n_slots, values, grads, **hyper)
+    for step, (g_step, e_step) in enumerate(zip(got, expected), start=1):
+        for i, (g, e) in enumerate(zip(g_step, e_step)):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=f"step {step} p{i}")
+    assert state[0] == STEPS  # the step counter
+    assert len(state) == 1 + n_slots * len(SHAPES)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch(case):
+    torch = pytest.importorskip("torch")
+    theirs = CASES[case][4]
+    values, grads = _problem()
+    got, _ = _ours(case)
+    params = [torch.tensor(v, requires_grad=True) for v in values]
+    optimizer = theirs(torch, params)
+    for step, step_grads in enumerate(grads):
+        for p, g in zip(params, step_grads):
+            p.grad = torch.tensor(g)
+        optimizer.step()
+        for i, p in enumerate(params):  # float32 both: a few ulps apart
+            np.testing.assert_allclose(got[step][i], p.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {step + 1} p{i}")
+
+
+def test_state_layout_and_function_signature():
+    params = [relax.Var("w", relax.TensorType((2, 3), "float32")),
+              relax.Var("b", relax.TensorType((3,), "float32"))]
+    opt = Adam().init(params)
+    assert [tuple(s.shape) for s in opt.state] == [(), (2, 3), (3,), (2, 3), (3,)]
+    func = opt.get_function()
+    assert [p.name for p in func.params] == ["params", "gradients", "optim_states"]
+    assert len(func.ret_ty.fields) == 2
+    assert len(func.ret_ty.fields[1].fields) == 5
+
+
+def test_init_rejects_bad_parameters():
+    w = relax.Var("w", relax.TensorType((2,), "float32"))
+    with pytest.raises(RuntimeError, match="call init"):
+        SGD(0.1).get_function()
+    with pytest.raises(ValueError, match="appears more than once"):
+        SGD(0.1).init([w, w])
+    with pytest.raises(ValueError, match="one dtype"):
+        SGD(0.1).init([w, relax.Var("v", relax.TensorType((2,), "float64"))])
+    with pytest.raises(ValueError, match="float tensor"):
+        SGD(0.1).init([relax.Var("i", relax.TensorType((2,), "int32"))])
+    with pytest.raises(ValueError, match="symbolic shape"):
+        SGD(0.1).init([relax.Var("s", relax.TensorType((tirx.Var("n", "int64"),), "float32"))])
+    with pytest.raises(ValueError, match="lr > 0"):
+        Adam(lr=0.0)
+    with pytest.raises(ValueError, match="nesterov"):
+        MomentumSGD(0.1, momentum=0.9, dampening=0.1, nesterov=True)
+
+
+def test_float64_parameters():
+    values, grads = _problem("float64")
+    got, _ = _run(AdamW(0.01, weight_decay=0.1), values, grads)
+    expected = _reference(_adam, 2, values, grads, lr=0.01, betas=(0.9, 0.999), eps=1e-8,
+                          weight_decay=0.1, decoupled=True)
+    np.testing.assert_allclose(got[-1][0], expected[-1][0], rtol=1e-12)
