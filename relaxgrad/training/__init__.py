@@ -5,6 +5,7 @@ from .datasets import Split, load_digits, minibatches
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
 from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
+from .trainer import Trainer
 
 __all__ = [
     "SGD",
@@ -17,6 +18,7 @@ __all__ = [
     "MomentumSGD",
     "Optimizer",
     "Split",
+    "Trainer",
     "append_loss",
     "cnn",
     "load_digits",

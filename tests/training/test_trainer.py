@@ -1,0 +1,146 @@
+"""Trainer end to end on scikit-learn's digits, plus its bookkeeping and errors."""
+
+import time
+
+import numpy as np
+import pytest
+from tvm import relax
+from tvm.relax import op
+
+from relaxgrad.training import (
+    SGD,
+    Adam,
+    CrossEntropyLoss,
+    MomentumSGD,
+    MSELoss,
+    Trainer,
+    cnn,
+    load_digits,
+    minibatches,
+    mlp,
+)
+
+MIN_ACCURACY = 0.95
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+@pytest.fixture(scope="module")
+def trained_mlp(digits):
+    """The digits MLP (64-64-10, batch 32) after 15 epochs of Adam(2e-3)."""
+    model = mlp(batch_size=32, seed=0)
+    start = time.perf_counter()
+    trainer = Trainer(model.mod, model.params, CrossEntropyLoss(), Adam(2e-3))
+    compiled = time.perf_counter()
+    trainer.fit(digits.x_train, digits.y_train, epochs=15, seed=0, progress=False)
+    print(f"MLP: compile {compiled - start:.1f} s, train {time.perf_counter() - compiled:.1f} s")
+    return trainer
+
+
+def test_mlp_reaches_95_percent(trained_mlp, digits):
+    result = trained_mlp.evaluate(digits.x_test, digits.y_test)
+    print(f"MLP test accuracy {result['accuracy']:.4f}, loss {result['loss']:.4f}")
+    assert result["accuracy"] >= MIN_ACCURACY
+    assert trained_mlp.history[-1] < trained_mlp.history[0] / 5
+
+
+def test_cnn_reaches_95_percent():
+    digits = load_digits(image=True)
+    model = cnn(batch_size=32, seed=0)
+    start = time.perf_counter()
+    trainer = Trainer(model.mod, model.params, CrossEntropyLoss(), MomentumSGD(0.02, 0.9))
+    compiled = time.perf_counter()
+    trainer.fit(digits.x_train, digits.y_train, epochs=12, seed=0, progress=False)
+    result = trainer.evaluate(digits.x_test, digits.y_test)
+    print(f"CNN: compile {compiled - start:.1f} s, train {time.perf_counter() - compiled:.1f} s, "
+          f"test accuracy {result['accuracy']:.4f}")
+    assert result["accuracy"] >= MIN_ACCURACY
+
+
+def test_history_counts_full_batches(trained_mlp, digits):
+    steps_per_epoch = len(digits.y_train) // 32
+    assert len(trained_mlp.history) == 15 * steps_per_epoch
+    assert trained_mlp.batch_size == 32
+
+
+def test_predict_and_evaluate_agree(trained_mlp, digits):
+    x, y = digits.x_test[:50], digits.y_test[:50]  # 50 = 32 + a padded batch of 18
+    logits = trained_mlp.predict(x)
+    assert logits.shape == (50, 10)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    result = trained_mlp.evaluate(x, y)
+    np.testing.assert_allclose(result["loss"], -log_probs[np.arange(50), y].mean(), rtol=1e-5)
+    assert result["accuracy"] == np.mean(logits.argmax(axis=1) == y)
+    one_hot = np.eye(10, dtype="float32")[y]
+    assert trained_mlp.predict(x[:32]).shape == (32, 10)
+    with pytest.raises(ValueError, match="target"):  # labels model: one-hot is the wrong type
+        trained_mlp.evaluate(x, one_hot)
+
+
+def test_one_hot_targets(digits):
+    model = mlp(batch_size=64, hidden=(32,), seed=1)
+    one_hot = np.eye(10, dtype="float32")
+    target_type = relax.TensorType((64, 10), "float32")
+    trainer = Trainer(model.mod, model.params, CrossEntropyLoss(), Adam(5e-3),
+                      target_type=target_type)
+    losses = trainer.fit(digits.x_train, one_hot[digits.y_train], epochs=3, progress=False)
+    assert losses[-1] < losses[0] / 2
+    result = trainer.evaluate(digits.x_test, one_hot[digits.y_test])
+    assert result["accuracy"] > 0.8
+
+
+def _linear_model(batch=16, features=4, outputs=2):
+    x = relax.Var("x", relax.TensorType((batch, features), "float32"))
+    w = relax.Var("w", relax.TensorType((features, outputs), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [w, x]):  # parameters need not come last
+        with bb.dataflow():
+            out = bb.emit_output(op.matmul(x, w))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_mse_regression_recovers_weights(capsys):
+    rng = np.random.default_rng(0)
+    true_w = rng.standard_normal((4, 2)).astype("float32")
+    x = rng.standard_normal((160, 4)).astype("float32")
+    trainer = Trainer(_linear_model(), {"w": np.zeros((4, 2), "float32")}, MSELoss(), SGD(0.1))
+    trainer.fit(x, x @ true_w, epochs=30, progress=True)
+    assert "epoch 30/30" in capsys.readouterr().err  # the tqdm bar
+    np.testing.assert_allclose(trainer.params["w"], true_w, atol=1e-3)
+    assert trainer.evaluate(x, x @ true_w)["loss"] < 1e-6
+    assert "accuracy" not in trainer.evaluate(x, x @ true_w)
+
+
+def test_fit_uses_minibatches_order():
+    """``fit`` visits exactly ``minibatches(n, batch, default_rng(seed))``: same steps as
+    calling ``step`` by hand."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 4)).astype("float32")
+    y = x @ rng.standard_normal((4, 2)).astype("float32")
+    init = {"w": np.zeros((4, 2), "float32")}
+    by_fit = Trainer(_linear_model(), init, MSELoss(), MomentumSGD(0.05))
+    by_hand = Trainer(_linear_model(), init, MSELoss(), MomentumSGD(0.05))
+    fit_losses = by_fit.fit(x, y, epochs=2, seed=3, progress=False)
+    order = np.random.default_rng(3)
+    hand_losses = [by_hand.step(x[idx], y[idx])
+                   for _ in range(2) for idx in minibatches(40, 16, order)]
+    assert fit_losses == hand_losses
+
+
+def test_errors():
+    model = _linear_model()
+    with pytest.raises(ValueError, match=r"no parameters named \['v'\]"):
+        Trainer(model, {"v": np.zeros(3)}, MSELoss(), SGD(0.1))
+    trainer = Trainer(model, {"w": np.zeros((4, 2), "float32")}, MSELoss(), SGD(0.1))
+    x, y = np.zeros((32, 4), "float32"), np.zeros((32, 2), "float32")
+    with pytest.raises(ValueError, match="compiled for batches of 16, not 8"):
+        trainer.fit(x, y, batch_size=8)
+    with pytest.raises(ValueError, match=r"input x must have shape \(16, 4\)"):
+        trainer.step(x, y[:16])
+    with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
+        trainer.step((x[:16], x[:16]), y[:16])
