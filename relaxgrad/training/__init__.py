@@ -5,7 +5,7 @@ from .datasets import Split, load_digits, minibatches
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
 from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
-from .trainer import Trainer
+from .trainer import Trainer, training_module
 
 __all__ = [
     "SGD",
@@ -24,4 +24,5 @@ __all__ = [
     "load_digits",
     "minibatches",
     "mlp",
+    "training_module",
 ]

@@ -18,7 +18,7 @@ from .datasets import minibatches
 from .losses import Loss, append_loss
 from .optimizers import Optimizer
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "training_module"]
 
 Inputs = np.ndarray | Sequence[np.ndarray]
 
@@ -26,11 +26,10 @@ Inputs = np.ndarray | Sequence[np.ndarray]
 class Trainer:
     """Train the parameters of a Relax model function with relaxgrad's gradients.
 
-    At construction the module gets ``<func>_loss`` (:func:`append_loss`), its adjoint
-    (:func:`relaxgrad.Gradient` w.r.t. the parameters), ``<func>_optimizer``
-    (``optimizer.get_function()``) and ``<func>_sample_loss`` (per-sample losses of
-    predictions, for :meth:`evaluate`), and is compiled once. Parameters and optimizer state
-    then live on the device as tensors; a step is two calls of compiled code.
+    At construction :func:`training_module` adds the loss, its adjoint, the optimizer step and
+    per-sample losses to the model's module, which is compiled once (``self.mod``, ``self.vm``).
+    Parameters and optimizer state then live on the device as tensors; a step is two calls of
+    compiled code: the adjoint, then the optimizer.
 
     Parameters
     ----------
@@ -62,35 +61,23 @@ class Trainer:
         target="llvm",
         target_type: relax.Type | None = None,
     ):
-        mod = append_loss(model, loss, func_name, target_type)
+        self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type)
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
-        loss_name = f"{func_name}_loss"
-        loss_func = mod[loss_name]
-        names = [p.name for p in model[func_name].params]
-        unknown = sorted(set(params) - set(names))
-        if unknown:
-            raise ValueError(
-                f"Trainer: {func_name} has no parameters named {unknown} (it has {names})"
-            )
-        self._param_pos = [i for i, name in enumerate(names) if name in params]
-        self._input_pos = [i for i, name in enumerate(names) if name not in params]
-        trainable = [loss_func.params[i] for i in self._param_pos]
-        mod = Gradient(loss_name, trainable)(mod)
-        optimizer.init(trainable)
-        mod = _with_function(mod, f"{func_name}_optimizer", optimizer.get_function())
-        prediction_ty = model[func_name].body.body.ty
-        sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
-        self.mod = _with_function(mod, f"{func_name}_sample_loss", sample_loss)
-
         self.device = _device(target)
         self.vm = relax.VirtualMachine(_compile(self.mod, target), self.device)
-        self.param_names = [names[i] for i in self._param_pos]
-        self._params = [
-            self._to_device(params[var.name], var, "parameter") for var in trainable
-        ]
-        self._optim_state = [s.copyto(self.device) for s in optimizer.state]
+
+        names = [p.name for p in model[func_name].params]
+        loss_func = self.mod[f"{func_name}_loss"]
+        self._param_pos = [i for i, name in enumerate(names) if name in params]
+        self._input_pos = [i for i, name in enumerate(names) if name not in params]
         self._inputs = [loss_func.params[i] for i in self._input_pos]
         self._target = loss_func.params[-1]
+        self.param_names = [names[i] for i in self._param_pos]
+        self._params = [
+            self._to_device(params[name], loss_func.params[i], "parameter")
+            for i, name in zip(self._param_pos, self.param_names)
+        ]
+        self._optim_state = [s.copyto(self.device) for s in optimizer.state]
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
@@ -218,6 +205,42 @@ class Trainer:
         return self.batch_size
 
 
+def training_module(
+    model: IRModule,
+    param_names: Sequence[str],
+    loss: Loss,
+    optimizer: Optimizer,
+    func_name: str = "main",
+    target_type: relax.Type | None = None,
+) -> IRModule:
+    """The module a :class:`Trainer` compiles: ``model`` plus
+
+    - ``<func>_loss(*params of func, target)``: :func:`append_loss`;
+    - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``;
+    - ``<func>_optimizer(params, gradients, optim_states)``: ``optimizer.get_function()``
+      (``optimizer.init`` is called, so ``optimizer.state`` holds the initial state);
+    - ``<func>_sample_loss(prediction, target)``: the per-sample losses (``reduction="none"``).
+    """
+    mod = append_loss(model, loss, func_name, target_type)
+    loss_name = f"{func_name}_loss"
+    loss_func = mod[loss_name]
+    names = [p.name for p in model[func_name].params]
+    unknown = sorted(set(param_names) - set(names))
+    if unknown:
+        raise ValueError(f"Trainer: {func_name} has no parameters named {unknown} (it has {names})")
+    trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
+    mod = Gradient(loss_name, trainable)(mod)
+    optimizer.init(trainable)
+    mod = _with_function(mod, f"{func_name}_optimizer", optimizer.get_function())
+    prediction_ty = model[func_name].body.body.ty
+    sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
+    return _with_function(mod, f"{func_name}_sample_loss", sample_loss)
+
+
+def _names(mod: IRModule) -> set[str]:
+    return {gv.name_hint for gv in mod.get_global_vars()}
+
+
 def _compile(mod: IRModule, target) -> relax.VMExecutable:
     """``relaxgrad.compile`` (CPU and GPU pipelines) where this relaxgrad has it, else
     ``tvm.compile``."""
@@ -233,7 +256,7 @@ def _device(target) -> tvm.runtime.Device:
 
 
 def _with_function(mod: IRModule, name: str, func: relax.Function) -> IRModule:
-    if any(gv.name_hint == name for gv in mod.get_global_vars()):
+    if name in _names(mod):
         raise ValueError(f"Trainer: the model module already has a function named {name!r}")
     mod = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
     mod[tvm.ir.GlobalVar(name)] = func.with_attr("global_symbol", name)

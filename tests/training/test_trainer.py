@@ -18,6 +18,7 @@ from relaxgrad.training import (
     load_digits,
     minibatches,
     mlp,
+    training_module,
 )
 
 MIN_ACCURACY = 0.95
@@ -130,6 +131,16 @@ def test_fit_uses_minibatches_order():
     hand_losses = [by_hand.step(x[idx], y[idx])
                    for _ in range(2) for idx in minibatches(40, 16, order)]
     assert fit_losses == hand_losses
+
+
+def test_training_module_functions():
+    mod = training_module(_linear_model(), ["w"], MSELoss(), SGD(0.1))
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    assert names == {"main", "main_loss", "main_loss_adjoint", "main_optimizer", "main_sample_loss"}
+    assert [p.name for p in mod["main_loss"].params] == ["w", "x", "target"]
+    assert len(mod["main_loss_adjoint"].ret_ty.fields[1].fields) == 1  # the gradient of w
+    with pytest.raises(ValueError, match="already has a function named 'main_optimizer'"):
+        training_module(mod, ["w"], MSELoss(), SGD(0.1))
 
 
 def test_errors():
