@@ -14,6 +14,7 @@ from . import (  # noqa: E402, F401
     manipulate,
     nn,
     search,
+    sorting,
     statistical,
     unary,
 )

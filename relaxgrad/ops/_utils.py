@@ -11,6 +11,7 @@ from tvm.relax import BlockBuilder, Expr
 from tvm.sym import Analyzer
 
 from .. import _ty
+from ..errors import GradientError
 
 
 def fit_shape(ctx: BlockBuilder, grad: Expr, like: Expr) -> Expr:
@@ -56,3 +57,22 @@ def scalar(value, like: Expr | str) -> Expr:
         return const(value, like)
     dtype = like if isinstance(like, str) else _ty.dtype_of(like)
     return relax.prim_value(value if _ty.dtype_of(value) == dtype else tirx.Cast(dtype, value))
+
+
+def numel(expr: Expr):
+    """Number of elements of ``expr`` as a shape value (an int when static, else a tirx
+    expression); unlike :func:`count`, usable in shapes."""
+    dims = _ty.shape_values(expr)
+    if all(isinstance(d, tirx.IntImm) for d in dims):
+        return functools.reduce(operator.mul, (int(d) for d in dims), 1)
+    return functools.reduce(operator.mul, dims)
+
+
+def static_dims(expr: Expr, op_name: str) -> tuple[int, ...]:
+    """The dims of ``expr`` as ints; raises GradientError naming ``op_name`` on symbolic dims."""
+    try:
+        return _ty.static_shape(expr)
+    except TypeError:
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for symbolic shapes ({_ty.type_of(expr)})"
+        ) from None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import expand_dims, matmul, permute_dims, squeeze
+import string
+
+from tvm import relax
+from tvm.relax.op import broadcast_to, einsum, expand_dims, matmul, permute_dims, reshape, squeeze
 
 from .. import _ty
-from ._utils import fit_shape
+from ..errors import GradientError
+from ._utils import fit_shape, static_dims
 from .registry import register_gradient
 
 
@@ -33,3 +37,84 @@ def matmul_grad(orig_var, orig_call, output_grad, ctx):
     a, b = orig_call.args
     da, db = _matmul_partials(a, b, len(_ty.shape_values(a)), len(_ty.shape_values(b)), output_grad)
     return [fit_shape(ctx, da, a), fit_shape(ctx, db, b)]
+
+
+@register_gradient("relax.outer")
+def outer_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``z = outer(x, y)``; backward: ``[g @ y, x @ g]``."""
+    x, y = orig_call.args
+    return [matmul(output_grad, y), matmul(x, output_grad)]
+
+
+def _einsum_terms(subscripts: str, shapes: list[tuple[int, ...]]):
+    """The letters of each operand and of the result of einsum ``subscripts``, with "..." and
+    the implicit result spelled out, and each size-1 dim broadcast against a larger one renamed
+    to a letter of its own (so it is summed, not matched)."""
+    spec = subscripts.replace(" ", "")
+    lhs, out = spec.split("->") if "->" in spec else (spec, None)
+    fresh = (c for c in string.ascii_letters if c not in spec)
+    ell_rank = max((len(s) - len(t) + 3 for t, s in zip(lhs.split(","), shapes) if "..." in t),
+                   default=0)  # fmt: skip
+    ell = [next(fresh) for _ in range(ell_rank)]
+
+    def spell(term: str, ndim: int) -> list[str]:
+        head, dots, tail = term.partition("...")
+        return (
+            list(head)
+            + (ell[ell_rank - (ndim - len(head) - len(tail)) :] if dots else [])
+            + list(tail)
+        )
+
+    terms = [spell(t, len(s)) for t, s in zip(lhs.split(","), shapes)]
+    if out is None:  # numpy's implicit result: the "..." dims, then the letters used once
+        once = sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1)
+        out_terms = ell + once
+    else:
+        out_terms = spell(out, ell_rank + len(out.replace("...", "")))
+    sizes = {}
+    for term, shape in zip(terms, shapes):
+        for c, d in zip(term, shape):
+            sizes[c] = max(sizes.get(c, 1), d)
+    terms = [[next(fresh) if d == 1 and sizes[c] > 1 else c for c, d in zip(term, shape)]
+             for term, shape in zip(terms, shapes)]  # fmt: skip
+    return terms, out_terms
+
+
+def _einsum_operand_grad(g, operands, terms, out_terms, i, shape):
+    """The partial of ``einsum(operands)`` for operand ``i``: g contracted with the other
+    operands onto the letters of operand ``i``; letters only operand ``i`` has (summed in the
+    forward) are broadcast back."""
+    term = terms[i]
+    if len(set(term)) != len(term):
+        raise GradientError(
+            f"Gradient: relax.einsum has no gradient rule for a repeated index within an operand "
+            f"({''.join(term)}, a diagonal)"
+        )
+    others = [j for j in range(len(terms)) if j != i]
+    reach = [c for c in term if c in out_terms or any(c in terms[j] for j in others)]
+    spec = ",".join(["".join(out_terms)] + ["".join(terms[j]) for j in others])
+    grad = einsum([g] + [operands[j] for j in others], f"{spec}->{''.join(reach)}")
+    if len(reach) != len(term):
+        grad = reshape(grad, [d if c in reach else 1 for c, d in zip(term, shape)])
+        grad = broadcast_to(grad, shape)
+    return grad
+
+
+@register_gradient("relax.einsum")
+def einsum_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = einsum((x1, ..., xn), subscripts)``; backward: for each ``xi``,
+    ``einsum((g, x1, .., xn without xi), "<y>,<others>-><xi>")``, broadcast over the letters
+    only ``xi`` has."""
+    tup = orig_call.args[0]
+    types = _ty.tuple_fields(tup)
+    shapes = [static_dims(t, "relax.einsum") for t in types]
+    if isinstance(tup, relax.Tuple):
+        operands = list(tup.fields)
+    else:
+        operands = [relax.TupleGetItem(tup, i) for i in range(len(types))]
+    terms, out_terms = _einsum_terms(str(orig_call.attrs.subscripts), shapes)
+    grads = [
+        _einsum_operand_grad(output_grad, operands, terms, out_terms, i, list(shape))
+        for i, shape in enumerate(shapes)
+    ]
+    return [relax.Tuple(grads)]

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import collapse_sum_to, concat, permute_dims, reshape, split, squeeze
+import numpy as np
+from tvm import relax
+from tvm.relax import Tuple
+from tvm.relax.op import (
+    arange,
+    astype,
+    collapse_sum_to,
+    concat,
+    equal,
+    flip,
+    full_like,
+    gather_elements,
+    gather_nd,
+    permute_dims,
+    reshape,
+    scatter_elements,
+    scatter_nd,
+    split,
+    squeeze,
+    sum,
+    take,
+    where,
+    zeros_like,
+)
 from tvm.relax.op.grad import no_grad
 
 from .. import _ty
-from .registry import register_gradient
+from ..errors import GradientError
+from ._utils import const, numel, static_dims
+from .registry import register_gradient, register_no_grad
 
 
 @register_gradient("relax.permute_dims")
@@ -57,3 +82,148 @@ def broadcast_to_grad(orig_var, orig_call, output_grad, ctx):
 def expand_dims_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = expand_dims(x, axis)``; backward: ``[squeeze(g, axis)]``."""
     return [squeeze(output_grad, orig_call.attrs.axis)]
+
+
+@register_gradient("relax.squeeze")
+def squeeze_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = squeeze(x, axis)``; backward: ``[reshape(g, x.shape)]``."""
+    return [reshape(output_grad, _ty.shape_of(orig_call.args[0]))]
+
+
+@register_gradient("relax.flatten")
+def flatten_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = flatten(x)``; backward: ``[reshape(g, x.shape)]``."""
+    return [reshape(output_grad, _ty.shape_of(orig_call.args[0]))]
+
+
+@register_gradient("relax.flip")
+def flip_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = flip(x, axis)``; backward: ``[flip(g, axis)]``."""
+    return [flip(output_grad, orig_call.attrs.axis)]
+
+
+@register_gradient("relax.tile")
+def tile_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = tile(x, repeats)``; backward: ``[sum of g over the copies]``: g reshaped to
+    ``(r0, d0, r1, d1, ...)`` and summed over the ``r`` axes."""
+    x = orig_call.args[0]
+    dims = _ty.shape_values(x)
+    repeats = [int(r) for r in orig_call.attrs.repeats]
+    rank = max(len(dims), len(repeats))
+    dims = [1] * (rank - len(dims)) + dims
+    repeats = [1] * (rank - len(repeats)) + repeats
+    interleaved = reshape(output_grad, [v for r, d in zip(repeats, dims) for v in (r, d)])
+    return [reshape(sum(interleaved, list(range(0, 2 * rank, 2))), _ty.shape_of(x))]
+
+
+@register_gradient("relax.repeat")
+def repeat_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = repeat(x, r, axis)``; backward: ``[sum of g over the r copies]``: g reshaped
+    to ``(..., d, r, ...)`` and summed over the ``r`` axis (x flattened when axis is None)."""
+    x = orig_call.args[0]
+    repeats = int(orig_call.attrs.repeats)
+    if orig_call.attrs.axis is None:
+        summed = sum(reshape(output_grad, [numel(x), repeats]), [1])
+        return [reshape(summed, _ty.shape_of(x))]
+    dims = _ty.shape_values(x)
+    axis = int(orig_call.attrs.axis) % len(dims)
+    split_copies = reshape(output_grad, dims[: axis + 1] + [repeats] + dims[axis + 1 :])
+    return [sum(split_copies, [axis + 1])]
+
+
+@register_gradient("relax.stack")
+def stack_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = stack((x1, ..., xn), axis)``; backward:
+    ``[(take(g, 0, axis), ..., take(g, n - 1, axis))]``."""
+    fields = _ty.tuple_fields(orig_call.args[0])
+    axis = int(orig_call.attrs.axis) % (_ty.ndim_of(fields[0]) + 1)
+    return [Tuple([take(output_grad, relax.const(i, "int64"), axis) for i in range(len(fields))])]
+
+
+register_no_grad(["relax.one_hot"])  # of integer indices; on/off values are prim values
+
+
+@register_gradient("relax.gather_elements")
+def gather_elements_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = gather_elements(x, indices, axis)``; backward:
+    ``[scatter_elements(zeros_like(x), indices, g, axis, "add"), no_grad]``."""
+    x, indices = orig_call.args
+    axis = orig_call.attrs.axis
+    return [scatter_elements(zeros_like(x), indices, output_grad, axis, "add"), no_grad(indices)]
+
+
+def _batch_coordinates(indices, batch_dims: int):
+    """``indices`` of a ``gather_nd`` with ``batch_dims`` leading batch axes, as the indices of
+    a ``gather_nd`` without: the batch coordinates prepended to each index tuple."""
+    if batch_dims == 0:
+        return indices
+    shape = static_dims(indices, "relax.gather_nd")
+    grid = np.indices(shape[:batch_dims], dtype=_ty.dtype_of(indices))  # (b, B1, ..., Bb)
+    grid = np.moveaxis(grid, 0, -1).reshape(
+        shape[:batch_dims] + (1,) * (len(shape) - batch_dims - 1) + (batch_dims,)
+    )
+    coords = np.broadcast_to(grid, shape[:-1] + (batch_dims,))
+    return concat([relax.const(np.ascontiguousarray(coords), _ty.dtype_of(indices)), indices], -1)
+
+
+@register_gradient("relax.gather_nd")
+def gather_nd_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = gather_nd(x, indices, batch_dims)``; backward:
+    ``[scatter_nd(zeros_like(x), indices, g, "add"), no_grad]`` (batch coordinates prepended to
+    the indices when ``batch_dims > 0``)."""
+    x, indices = orig_call.args
+    full_indices = _batch_coordinates(indices, int(orig_call.attrs.batch_dims))
+    return [scatter_nd(zeros_like(x), full_indices, output_grad, "add"), no_grad(indices)]
+
+
+def _scatter_partials(op_name, scatter, gather, args, y, g, reduction: str):
+    """``(d data, d updates)`` of ``y = scatter(data, indices, updates, reduction)``, where
+    ``gather(t, indices)`` reads the positions the updates go to."""
+    data, indices, updates = args
+    if reduction == "add":
+        return g, gather(g, indices)
+    if reduction == "update":  # only the update that is written last (the "winner") counts
+        ids = reshape(arange(numel(updates), dtype="int64"), _ty.shape_of(updates))
+        written = scatter(
+            full_like(data, relax.const(-1, "int64"), "int64"), indices, ids, "update"
+        )
+        won = equal(gather(written, indices), ids)
+        kept = scatter(g, indices, zeros_like(updates), "update")
+        return kept, where(won, gather(g, indices), const(0, updates))
+    if reduction in ("max", "min"):  # g shared evenly by the values equal to the result
+        dtype = _ty.dtype_of(data)
+        data_hit = astype(equal(data, y), dtype)
+        update_hit = astype(equal(updates, gather(y, indices)), dtype)
+        share = g / scatter(data_hit, indices, update_hit, "add")
+        return data_hit * share, update_hit * gather(share, indices)
+    raise GradientError(
+        f"Gradient: {op_name} has no gradient rule for reduction={reduction!r} (only for "
+        "update, add, max and min)"
+    )
+
+
+@register_gradient("relax.scatter_elements")
+def scatter_elements_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = scatter_elements(x, indices, u, axis, reduction)``; backward for "add":
+    ``[g, no_grad, gather_elements(g, indices, axis)]``; "update", "max" and "min" mask both
+    partials to the values that reach y (see :func:`_scatter_partials`)."""
+    axis = orig_call.attrs.axis
+    dx, du = _scatter_partials(
+        "relax.scatter_elements",
+        lambda d, i, u, r: scatter_elements(d, i, u, axis, r),
+        lambda t, i: gather_elements(t, i, axis),
+        orig_call.args, orig_var, output_grad, str(orig_call.attrs.reduction),
+    )  # fmt: skip
+    return [dx, no_grad(orig_call.args[1]), du]
+
+
+@register_gradient("relax.scatter_nd")
+def scatter_nd_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = scatter_nd(x, indices, u, reduction)``; backward for "add":
+    ``[g, no_grad, gather_nd(g, indices)]``; "update", "max" and "min" mask both partials to the
+    values that reach y (see :func:`_scatter_partials`)."""
+    dx, du = _scatter_partials(
+        "relax.scatter_nd", scatter_nd, gather_nd, orig_call.args, orig_var, output_grad,
+        str(orig_call.attrs.reduction),
+    )  # fmt: skip
+    return [dx, no_grad(orig_call.args[1]), du]

@@ -24,7 +24,7 @@ from tvm.relax.op.nn import conv2d, conv2d_transpose
 
 from .. import _ty
 from ..errors import GradientError
-from ._utils import const
+from ._utils import const, static_dims
 from .registry import register_gradient
 
 
@@ -54,7 +54,7 @@ def _nll_loss_weighted_grads(loss, pred, targets, weights, output_grad, attrs):
     target c adds ``-weights[c] * g[p]`` to ``pred[p, c]`` and ``-pred[p, c] * g[p]`` to
     ``weights[c]``; for ``reduction="mean"`` g is divided by the total weight W and ``weights[c]``
     also gets ``-g * loss * count[c] / W``."""
-    dtype, num_classes = _ty.dtype_of(pred), _static_dims(weights, "relax.nn.nll_loss")[0]
+    dtype, num_classes = _ty.dtype_of(pred), static_dims(weights, "relax.nn.nll_loss")[0]
     class_axis = 0 if _ty.ndim_of(pred) == 1 else 1
     others = [i for i in range(_ty.ndim_of(pred)) if i != class_axis]
     per_class = (num_classes,) + (1,) * (len(others) - class_axis)  # broadcasts over positions
@@ -121,20 +121,11 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
-def _static_dims(expr, op_name: str) -> tuple[int, ...]:
-    try:
-        return _ty.static_shape(expr)
-    except TypeError:
-        raise GradientError(
-            f"Gradient: {op_name} has no gradient rule for symbolic shapes ({_ty.type_of(expr)})"
-        ) from None
-
-
 def _conv2d_data_grad(x, w, g, attrs, out_dtype):
     """``dx`` of an NCHW/OIHW ``conv2d``: the transposed convolution of g by w, padded at the
     end by the input rows/columns past the reach of the last output position."""
     (in_h, in_w), (kernel_h, kernel_w), (grad_h, grad_w) = (
-        _static_dims(t, "relax.nn.conv2d")[2:] for t in (x, w, g)
+        static_dims(t, "relax.nn.conv2d")[2:] for t in (x, w, g)
     )
     (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
     pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
@@ -151,9 +142,9 @@ def _conv2d_data_grad(x, w, g, attrs, out_dtype):
 def _conv2d_weight_grad(x, w, g, attrs, out_dtype):
     """``dw`` of an NCHW/OIHW ``conv2d``: x convolved by g with batch and channels swapped
     (layouts CNHW/IOHW) and strides and dilation swapped, cropped to the kernel size."""
-    batch, _, in_h, in_w = _static_dims(x, "relax.nn.conv2d")
-    out_channels, group_channels, kernel_h, kernel_w = _static_dims(w, "relax.nn.conv2d")
-    grad_h, grad_w = _static_dims(g, "relax.nn.conv2d")[2:]
+    batch, _, in_h, in_w = static_dims(x, "relax.nn.conv2d")
+    out_channels, group_channels, kernel_h, kernel_w = static_dims(w, "relax.nn.conv2d")
+    grad_h, grad_w = static_dims(g, "relax.nn.conv2d")[2:]
     (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
     pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
     groups = int(attrs.groups)

@@ -6,7 +6,7 @@ from tvm.relax.op import where
 from tvm.relax.op.grad import no_grad
 
 from ._utils import const, fit_shape
-from .registry import register_gradient
+from .registry import register_gradient, register_no_grad
 
 
 @register_gradient("relax.where")
@@ -18,3 +18,6 @@ def where_grad(orig_var, orig_call, output_grad, ctx):
         fit_shape(ctx, where(cond, output_grad, const(0, a)), a),
         fit_shape(ctx, where(cond, const(0, b), output_grad), b),
     ]
+
+
+register_no_grad(["relax.argmax", "relax.argmin"])  # integer results

@@ -35,6 +35,29 @@ CASES = [
 ]
 
 
+def _ss(axes, begin, end, strides=None):
+    return lambda x: op.strided_slice(x, axes, begin, end, strides)
+
+
+CASES += [
+    Case("strided_slice", _ss([1], [1], [3]), [(3, 4)]),
+    Case("strided_slice_two_axes", _ss([0, 2], [1, 0], [3, 2]), [(3, 2, 4)]),
+    Case("strided_slice_negative_axis_begin", _ss([-1], [-3], [4]), [(2, 5)]),
+    Case("strided_slice_end_past_dim", _ss([0], [1], [100]), [(4, 3)]),
+    Case("strided_slice_stride", _ss([1], [0], [5], [2]), [(3, 5)]),
+    Case("strided_slice_stride_remainder", _ss([1], [1], [6], [3]), [(2, 7)]),
+    Case("strided_slice_negative_stride", _ss([0], [3], [0], [-1]), [(5, 2)]),
+    Case("strided_slice_reverse_all", _ss([1], [-1], [-100], [-1]), [(2, 4)]),
+    Case("strided_slice_negative_stride_2", _ss([1], [5], [0], [-2]), [(2, 7)]),
+    Case("strided_slice_mixed", _ss([0, 1, 2], [2, 0, 1], [0, 4, 4], [-1, 3, 2]), [(3, 5, 5)]),
+    Case("strided_slice_empty", lambda x: op.sum(x * x) + op.sum(_ss([0], [2], [2])(x)),
+         [(3, 2)]),
+    Case("strided_slice_float32", _ss([1], [0], [4], [2]), [(3, 4)], dtype="float32"),
+    Case("strided_slice_float16", _ss([0, 1], [1, 3], [3, 0], [1, -1]), [(3, 4)],
+         dtype="float16"),
+]
+
+
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
 def test_numeric(case):
     run_case(case)
