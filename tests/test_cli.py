@@ -68,3 +68,11 @@ def test_console_script(model_file):
         capture_output=True, text=True, check=True,
     ).stdout
     assert "main_adjoint" in out
+
+
+def test_demo_trains_digits(capsys):
+    assert main(["demo", "--epochs", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "test accuracy" in out
+    accuracy = float(out.split("test accuracy")[1].split("%")[0])
+    assert accuracy >= 95.0
