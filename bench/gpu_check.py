@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import relaxgrad  # noqa: E402
 from relaxgrad import _ty  # noqa: E402
 from relaxgrad.pipeline import ScheduleGPU, resolve_target  # noqa: E402
-from tests.test_compile import CNN_OPS, MODELS  # noqa: E402
+from tests.test_pipeline import CNN_OPS, MODELS  # noqa: E402
 
 SIZES = {
     "test": {"mlp": {}, "cnn": {}, "transformer": {}},
