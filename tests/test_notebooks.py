@@ -10,7 +10,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_exist():
-    assert {"quickstart", "checkpointing"} <= {p.stem for p in NOTEBOOKS}
+    assert {"quickstart", "checkpointing", "training_digits"} <= {p.stem for p in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
