@@ -83,13 +83,7 @@ def gradient_module(
         else:
             grads = _map_require_grads(require_grads, var_map, func_name)
         target = _target(info.ret, target_index, func_name)
-        with_grad = Op.get("relax.call_tir_with_grad")
-        has_call_tir_with_grad = False
-        for binding in info.bindings:
-            bb.emit_normalized(binding)
-            value = binding.value
-            if isinstance(value, relax.Call) and value.op.same_as(with_grad):
-                has_call_tir_with_grad = True
+        has_call_tir_with_grad = _emit_forward(bb, info.bindings)
         ret = BackwardWalk(bb, func_name, params, info).run(target, grads, info.ret)
     finally:
         new_block = bb._end_block()
@@ -101,6 +95,17 @@ def gradient_module(
     adjoint = remove_unused(adjoint)
     adjoint = simplify_gradient(adjoint)
     return _add_function(bb.get(), adjoint, func_name + "_adjoint")
+
+
+def _emit_forward(bb: relax.BlockBuilder, bindings) -> bool:
+    """Re-emit the forward bindings; returns whether any of them calls call_tir_with_grad."""
+    with_grad = Op.get("relax.call_tir_with_grad")
+    found = False
+    for binding in bindings:
+        bb.emit_normalized(binding)
+        value = binding.value
+        found = found or (isinstance(value, relax.Call) and value.op.same_as(with_grad))
+    return found
 
 
 def _lookup(mod: IRModule, func_name: str) -> Function:
