@@ -76,3 +76,15 @@ def static_dims(expr: Expr, op_name: str) -> tuple[int, ...]:
         raise GradientError(
             f"Gradient: {op_name} has no gradient rule for symbolic shapes ({_ty.type_of(expr)})"
         ) from None
+
+
+def relayout(expr, src: str, dst: str, op_name: str):
+    """``expr`` permuted from layout ``src`` to layout ``dst`` (itself when they are equal)."""
+    if src == dst:
+        return expr
+    if sorted(src) != sorted(dst):
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for layout {src} (only for permutations "
+            f"of {dst}, such as NHWC)"
+        )
+    return relax.op.permute_dims(expr, [src.index(axis) for axis in dst])

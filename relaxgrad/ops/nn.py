@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import tvm
 from tvm import relax
 from tvm.relax.op import (
     astype,
     exp,
     expand_dims,
+    flip,
+    greater,
+    matmul,
+    mean,
     one_hot,
     permute_dims,
     reshape,
+    rsqrt,
+    squeeze,
     strided_slice,
     sum,
+    tril,
+    where,
 )
 from tvm.relax.op.grad import (
     avg_pool2d_backward,
@@ -20,11 +31,11 @@ from tvm.relax.op.grad import (
     nll_loss_backward,
     no_grad,
 )
-from tvm.relax.op.nn import conv2d, conv2d_transpose
+from tvm.relax.op.nn import conv2d, conv2d_transpose, conv3d, conv3d_transpose, pad, softmax
 
 from .. import _ty
 from ..errors import GradientError
-from ._utils import const, static_dims
+from ._utils import const, count, fit_shape, relayout, scalar, static_dims
 from .registry import register_gradient
 
 
@@ -105,85 +116,137 @@ def nll_loss_grad(orig_var, orig_call, output_grad, ctx):
     return [pred_grad, no_grad(targets), weights_grad]
 
 
-def _relayout(expr, src: str, dst: str, op_name: str):
-    """``expr`` permuted from layout ``src`` to layout ``dst`` (itself when they are equal)."""
-    if src == dst:
-        return expr
-    if sorted(src) != sorted(dst):
-        raise GradientError(
-            f"Gradient: {op_name} has no gradient rule for layout {src} (only for permutations "
-            f"of {dst}, such as NHWC)"
-        )
-    return permute_dims(expr, [src.index(axis) for axis in dst])
-
-
 def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
-def _conv2d_data_grad(x, w, g, attrs, out_dtype):
-    """``dx`` of an NCHW/OIHW ``conv2d``: the transposed convolution of g by w, padded at the
-    end by the input rows/columns past the reach of the last output position."""
-    (in_h, in_w), (kernel_h, kernel_w), (grad_h, grad_w) = (
-        static_dims(t, "relax.nn.conv2d")[2:] for t in (x, w, g)
-    )
-    (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
-    pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
-    output_padding = (
-        in_h - ((grad_h - 1) * stride_h - pad_top - pad_bottom + dilation_h * (kernel_h - 1) + 1),
-        in_w - ((grad_w - 1) * stride_w - pad_left - pad_right + dilation_w * (kernel_w - 1) + 1),
-    )
-    return conv2d_transpose(
-        g, w, attrs.strides, attrs.padding, output_padding, attrs.dilation, attrs.groups,
-        "NCHW", "IOHW", "NCHW", out_dtype,
+@dataclass(frozen=True)
+class _Conv:
+    """A convolution's spatial attributes as ints (padding: all befores, then all afters)."""
+
+    strides: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    @staticmethod
+    def of(attrs) -> _Conv:
+        return _Conv(*(tuple(_ints(attrs[k])) for k in ("strides", "padding", "dilation")),
+                     int(attrs.groups))  # fmt: skip
+
+    def lifted(self) -> _Conv:
+        """The 2-D convolution, over a unit height, that computes this 1-D one."""
+        (s,), (before, after), (d,) = self.strides, self.padding, self.dilation
+        return _Conv((1, s), (0, before, 0, after), (1, d), self.groups)
+
+
+# Per number of spatial dims: (conv, conv_transpose, data layout, kernel layout).
+_CONV_OPS = {
+    2: (conv2d, conv2d_transpose, "NCHW", "OIHW"),
+    3: (conv3d, conv3d_transpose, "NCDHW", "OIDHW"),
+}
+
+
+def _conv_data_grad(x, w, g, conv: _Conv, out_dtype, op_name: str):
+    """``dx`` of ``g = conv(x, w)`` (NC.../OI...): the transposed convolution of g by w, with
+    output padding for the input rows past the reach of the last output position."""
+    (ins, kernel, grads), nd = (static_dims(t, op_name)[2:] for t in (x, w, g)), len(conv.strides)
+    output_padding = tuple(
+        ins[i] - ((grads[i] - 1) * conv.strides[i] - conv.padding[i] - conv.padding[nd + i]
+                  + conv.dilation[i] * (kernel[i] - 1) + 1)
+        for i in range(nd)
+    )  # fmt: skip
+    _, transpose, data_layout, kernel_layout = _CONV_OPS[nd]
+    return transpose(
+        g, w, conv.strides, conv.padding, output_padding, conv.dilation, conv.groups,
+        data_layout, "IO" + kernel_layout[2:], data_layout, out_dtype,
     )  # fmt: skip
 
 
-def _conv2d_weight_grad(x, w, g, attrs, out_dtype):
-    """``dw`` of an NCHW/OIHW ``conv2d``: x convolved by g with batch and channels swapped
-    (layouts CNHW/IOHW) and strides and dilation swapped, cropped to the kernel size."""
-    batch, _, in_h, in_w = static_dims(x, "relax.nn.conv2d")
-    out_channels, group_channels, kernel_h, kernel_w = static_dims(w, "relax.nn.conv2d")
-    grad_h, grad_w = static_dims(g, "relax.nn.conv2d")[2:]
-    (stride_h, stride_w), (dilation_h, dilation_w) = _ints(attrs.strides), _ints(attrs.dilation)
-    pad_top, pad_left, pad_bottom, pad_right = _ints(attrs.padding)
-    groups = int(attrs.groups)
-    if groups != 1:  # channels ordered (group, batch); the channel within a group as batch
-        x = reshape(x, (batch, groups, group_channels, in_h, in_w))
-        x = permute_dims(x, [1, 0, 2, 3, 4])
-        x = reshape(x, (batch * groups, group_channels, in_h, in_w))
-    dw = conv2d(
-        x, g, strides=attrs.dilation, padding=attrs.padding, dilation=attrs.strides,
-        groups=groups, data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW",
-        out_dtype=out_dtype,
+def _conv_weight_grad(x, w, g, conv: _Conv, out_dtype, op_name: str):
+    """``dw`` of ``g = conv(x, w)`` (NC.../OI...): x convolved by g with batch and channels
+    swapped (layouts CN.../IO...) and strides and dilation swapped, cropped to the kernel."""
+    batch, _, *ins = static_dims(x, op_name)
+    out_channels, group_channels, *kernel = static_dims(w, op_name)
+    grads, nd = static_dims(g, op_name)[2:], len(ins)
+    if conv.groups != 1:  # channels ordered (group, batch); the channel within a group as batch
+        x = reshape(x, (batch, conv.groups, group_channels, *ins))
+        x = permute_dims(x, [1, 0] + list(range(2, nd + 3)))
+        x = reshape(x, (batch * conv.groups, group_channels, *ins))
+    op, _, data_layout, kernel_layout = _CONV_OPS[nd]
+    swapped = "CN" + data_layout[2:]
+    dw = op(
+        x, g, strides=conv.dilation, padding=conv.padding, dilation=conv.strides,
+        groups=conv.groups, data_layout=swapped, kernel_layout="IO" + kernel_layout[2:],
+        out_layout=swapped, out_dtype=out_dtype,
     )  # fmt: skip
-    dw_h = (in_h + pad_top + pad_bottom - (grad_h - 1) * stride_h - 1) // dilation_h + 1
-    dw_w = (in_w + pad_left + pad_right - (grad_w - 1) * stride_w - 1) // dilation_w + 1
-    if dw_h > kernel_h or dw_w > kernel_w:
-        end = [out_channels, group_channels, kernel_h, kernel_w]
-        dw = strided_slice(dw, axes=[0, 1, 2, 3], begin=[0, 0, 0, 0], end=end)
+    reach = [
+        (ins[i] + conv.padding[i] + conv.padding[nd + i] - (grads[i] - 1) * conv.strides[i] - 1)
+        // conv.dilation[i] + 1
+        for i in range(nd)
+    ]  # fmt: skip
+    if any(r > k for r, k in zip(reach, kernel)):
+        end = [out_channels, group_channels, *kernel]
+        dw = strided_slice(dw, axes=list(range(nd + 2)), begin=[0] * (nd + 2), end=end)
     return dw
 
 
-@register_gradient("relax.nn.conv2d")
-def conv2d_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = conv2d(x, w, strides, padding, dilation, groups)``; backward:
-    ``[conv2d_transpose(g, w), conv2d(x, g)]``, computed in NCHW/OIHW for any 4-D layouts."""
-    x, w = orig_call.args
-    attrs = orig_call.attrs
-    name = "relax.nn.conv2d"
-    out_dtype = attrs.out_dtype
-    if _ty.dtype_of(output_grad) != _ty.dtype_of(x):  # out_dtype widened the result
-        output_grad, out_dtype = astype(output_grad, _ty.dtype_of(x)), _ty.dtype_of(x)
-    x = ctx.normalize(_relayout(x, attrs.data_layout, "NCHW", name))
-    w = ctx.normalize(_relayout(w, attrs.kernel_layout, "OIHW", name))
-    g = ctx.normalize(_relayout(output_grad, attrs.out_layout, "NCHW", name))
-    dx = _conv2d_data_grad(x, w, g, attrs, out_dtype)
-    dw = _conv2d_weight_grad(x, w, g, attrs, out_dtype)
-    return [
-        _relayout(dx, "NCHW", attrs.data_layout, name),
-        _relayout(dw, "OIHW", attrs.kernel_layout, name),
-    ]
+def _conv_grads(x, w, g, conv: _Conv, out_dtype, transposed: bool, op_name: str):
+    """``(dx, dw)`` of a convolution (NC.../OI...) or a transposed one (NC.../IO...). A
+    transposed convolution is the adjoint of a convolution from its output to its input, so
+    its partials swap roles: ``dx = conv(g, w)``, ``dw`` as for that convolution with data g."""
+    if not transposed:
+        return (_conv_data_grad(x, w, g, conv, out_dtype, op_name),
+                _conv_weight_grad(x, w, g, conv, out_dtype, op_name))  # fmt: skip
+    op, _, data_layout, kernel_layout = _CONV_OPS[len(conv.strides)]
+    dx = op(g, w, conv.strides, conv.padding, conv.dilation, conv.groups, data_layout,
+            kernel_layout, data_layout, out_dtype)  # fmt: skip
+    return dx, _conv_weight_grad(g, w, x, conv, out_dtype, op_name)
+
+
+def _conv(op_name: str, nd: int, transposed: bool = False):
+    """Register the rule of an ``nd``-D (transposed) convolution, for any layouts that permute
+    NC.../OI... (IO... when transposed); 1-D ones are computed as 2-D ones of unit height."""
+    data_layout = "NC" + "DHW"[3 - nd :]
+    kernel_layout = ("IO" if transposed else "OI") + "DHW"[3 - nd :]
+
+    def rule(orig_var, orig_call, output_grad, ctx):
+        x, w = orig_call.args
+        attrs = orig_call.attrs
+        out_dtype = attrs.out_dtype
+        if _ty.dtype_of(output_grad) != _ty.dtype_of(x):  # out_dtype widened the result
+            output_grad, out_dtype = astype(output_grad, _ty.dtype_of(x)), _ty.dtype_of(x)
+        x = relayout(x, attrs.data_layout, data_layout, op_name)
+        w = relayout(w, attrs.kernel_layout, kernel_layout, op_name)
+        g = relayout(output_grad, attrs.out_layout, data_layout, op_name)
+        conv = _Conv.of(attrs)
+        if nd == 1:
+            x, w, g, conv = expand_dims(x, 2), expand_dims(w, 2), expand_dims(g, 2), conv.lifted()
+        x, w, g = ctx.normalize(x), ctx.normalize(w), ctx.normalize(g)
+        dx, dw = _conv_grads(x, w, g, conv, out_dtype, transposed, op_name)
+        if nd == 1:
+            dx, dw = squeeze(dx, [2]), squeeze(dw, [2])
+        return [
+            relayout(dx, data_layout, attrs.data_layout, op_name),
+            relayout(dw, kernel_layout, attrs.kernel_layout, op_name),
+        ]
+
+    name = op_name.split(".")[-1]
+    forward = "output_padding, dilation, groups" if transposed else "dilation, groups"
+    backward = "conv(g, w), conv(g, x)" if transposed else "conv_transpose(g, w), conv(x, g)"
+    rule.__doc__ = (
+        f"Forward: ``y = {name}(x, w, strides, padding, {forward})``; backward: ``[{backward}]``."
+    )
+    register_gradient(op_name, rule)
+    return rule
+
+
+conv1d_grad = _conv("relax.nn.conv1d", 1)
+conv2d_grad = _conv("relax.nn.conv2d", 2)
+conv3d_grad = _conv("relax.nn.conv3d", 3)
+conv1d_transpose_grad = _conv("relax.nn.conv1d_transpose", 1, transposed=True)
+conv2d_transpose_grad = _conv("relax.nn.conv2d_transpose", 2, transposed=True)
+conv3d_transpose_grad = _conv("relax.nn.conv3d_transpose", 3, transposed=True)
 
 
 _POOL2D_ATTRS = "pool_size strides padding dilation ceil_mode count_include_pad layout".split()
@@ -199,7 +262,7 @@ def _pool2d(op_name: str, backward):
                 f"Gradient: {op_name} has no gradient rule for dilation {tuple(attrs.dilation)} "
                 "(TVM's pooling gradient kernels support dilation 1 only)"
             )
-        grad = _relayout(output_grad, attrs.out_layout, attrs.layout, op_name)
+        grad = relayout(output_grad, attrs.out_layout, attrs.layout, op_name)
         kwargs = {key: attrs[key] for key in _POOL2D_ATTRS}
         return [backward(grad, orig_call.args[0], **kwargs, out_layout=attrs.layout)]
 
@@ -213,3 +276,412 @@ def _pool2d(op_name: str, backward):
 
 max_pool2d_grad = _pool2d("relax.nn.max_pool2d", max_pool2d_backward)
 avg_pool2d_grad = _pool2d("relax.nn.avg_pool2d", avg_pool2d_backward)
+
+
+# Normalizations. The backward pass recomputes the statistics (in float32 for float16 inputs,
+# as TVM's kernels compute them) and uses, for xhat = (x - mean(x)) * rstd over ``axes``,
+#     dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)),  gx = d loss / d xhat.
+
+
+def _wide(expr, dtype: str):
+    """``expr`` in the compute dtype of ``dtype``: float32 for float16, else itself."""
+    return astype(expr, "float32") if dtype == "float16" else expr
+
+
+def _wide_dtype(dtype: str) -> str:
+    return "float32" if dtype == "float16" else dtype
+
+
+def _narrow(expr, dtype: str):
+    """A partial computed by :func:`_wide` math, back in ``dtype``."""
+    return astype(expr, dtype) if dtype == "float16" else expr
+
+
+def _standardized(x, axes: list[int], epsilon: float, dtype: str):
+    """``(xhat, rstd)`` of ``x`` over ``axes``, in ``dtype``, with the reduced axes kept."""
+    centered = x - mean(x, axes, keepdims=True)
+    rstd = rsqrt(mean(centered * centered, axes, keepdims=True) + const(epsilon, dtype))
+    return centered * rstd, rstd
+
+
+def _standardized_grad(xhat, rstd, gx, axes: list[int]):
+    """``dx`` of ``xhat = (x - mean(x)) * rstd`` over ``axes``, for ``gx = d loss / d xhat``."""
+    centered_gx = gx - mean(gx, axes, keepdims=True)
+    return rstd * (centered_gx - xhat * mean(gx * xhat, axes, keepdims=True))
+
+
+def _sum_except(expr, keep: list[int], ndim: int):
+    """``expr`` summed over every axis not in ``keep``."""
+    others = [a for a in range(ndim) if a not in keep]
+    return sum(expr, others) if others else expr
+
+
+def _norm_axes(op_name: str, attrs, ndim: int, affine: bool = True) -> list[int]:
+    """The normalized axes, non-negative. Refused: axes out of order (TVM 0.27's kernels do not
+    compute the op's documented result for them) and, for ``affine`` ops, ``center``/``scale``
+    off (the kernels ignore them: gamma and beta are always applied)."""
+    axes = [int(a) % ndim for a in attrs.axes]
+    if axes != sorted(axes):
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for axes out of order ({list(attrs.axes)})"
+        )
+    if affine and not (bool(attrs.center) and bool(attrs.scale)):
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for center=False or scale=False (TVM "
+            "0.27 legalizes the op ignoring them: gamma and beta are always applied)"
+        )
+    return axes
+
+
+def _per_axes(param, axes: list[int], dims: list, dtype: str):
+    """``param`` of shape ``dims[axes]`` shaped to broadcast against a tensor of shape ``dims``."""
+    return reshape(_wide(param, dtype), [d if a in axes else 1 for a, d in enumerate(dims)])
+
+
+@register_gradient("relax.nn.layer_norm")
+def layer_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = xhat * gamma + beta``, xhat standardized over ``axes``; backward:
+    ``[dx(g * gamma), sum(g * xhat), sum(g)]``, sums over the other axes."""
+    x, gamma, beta = orig_call.args
+    attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
+    axes = _norm_axes("relax.nn.layer_norm", attrs, len(dims))
+    g = _wide(output_grad, dtype)
+    xhat, rstd = _standardized(_wide(x, dtype), axes, float(attrs.epsilon), _wide_dtype(dtype))
+    dx = _standardized_grad(xhat, rstd, g * _per_axes(gamma, axes, dims, dtype), axes)
+    dgamma, dbeta = _sum_except(g * xhat, axes, len(dims)), _sum_except(g, axes, len(dims))
+    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+
+
+@register_gradient("relax.nn.rms_norm")
+def rms_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = x * r * w``, ``r = rsqrt(mean(x * x, axes) + eps)``; backward:
+    ``[r * g * w - x * r^3 * mean(g * w * x, axes), sum(g * x * r)]``."""
+    x, weight = orig_call.args
+    attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
+    axes = _norm_axes("relax.nn.rms_norm", attrs, len(dims), affine=False)
+    xw, g = _wide(x, dtype), _wide(output_grad, dtype)
+    eps = const(float(attrs.epsilon), _wide_dtype(dtype))
+    r = rsqrt(mean(xw * xw, axes, keepdims=True) + eps)
+    gw = g * _per_axes(weight, axes, dims, dtype)
+    dx = r * gw - xw * (r * r * r) * mean(gw * xw, axes, keepdims=True)
+    dweight = _sum_except(g * xw * r, axes, len(dims))
+    return [_narrow(dx, dtype), _narrow(dweight, dtype)]
+
+
+def _channel_affine_grads(x, gamma, g, xhat, channel: int, ndim: int, dtype: str):
+    """``(gx, dgamma, dbeta)`` of ``y = xhat * gamma + beta`` with gamma and beta per channel."""
+    per_channel = [1] * ndim
+    per_channel[channel] = _ty.shape_values(x)[channel]
+    gx = g * reshape(_wide(gamma, dtype), per_channel)
+    return gx, _sum_except(g * xhat, [channel], ndim), _sum_except(g, [channel], ndim)
+
+
+@register_gradient("relax.nn.group_norm")
+def group_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = xhat * gamma + beta``, xhat standardized per group of channels over
+    ``axes``, gamma and beta per channel; backward: ``[dx(g * gamma), sum(g * xhat), sum(g)]``."""
+    x, gamma, beta = orig_call.args
+    attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
+    ndim, groups = len(dims), int(attrs.num_groups)
+    axes = _norm_axes("relax.nn.group_norm", attrs, ndim)
+    channel = int(attrs.channel_axis) % ndim
+    grouped = dims[:channel] + [groups, dims[channel] // groups] + dims[channel + 1 :]
+    group_axes = [channel + 1] + [a + 1 if a > channel else a for a in axes]
+    xw, g = reshape(_wide(x, dtype), grouped), _wide(output_grad, dtype)
+    xhat, rstd = _standardized(xw, group_axes, float(attrs.epsilon), _wide_dtype(dtype))
+    xhat_flat = reshape(xhat, dims)
+    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat_flat, channel, ndim, dtype)
+    dx = reshape(_standardized_grad(xhat, rstd, reshape(gx, grouped), group_axes), dims)
+    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+
+
+@register_gradient("relax.nn.instance_norm")
+def instance_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = xhat * gamma + beta``, xhat standardized over ``axes``, gamma and beta per
+    channel; backward: ``[dx(g * gamma), sum(g * xhat), sum(g)]``."""
+    x, gamma, beta = orig_call.args
+    attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
+    axes = _norm_axes("relax.nn.instance_norm", attrs, len(dims))
+    channel = int(attrs.channel_axis) % len(dims)
+    g = _wide(output_grad, dtype)
+    xhat, rstd = _standardized(_wide(x, dtype), axes, float(attrs.epsilon), _wide_dtype(dtype))
+    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+    dx = _standardized_grad(xhat, rstd, gx, axes)
+    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+
+
+def _tuple_field_grads(ctx, output_grad, count: int) -> list:
+    """The adjoints of the fields of a tuple-valued op, None for the ones that are known zeros
+    (fields the loss does not use get ``zeros`` from the pass)."""
+    bound = ctx.lookup_binding(output_grad) if isinstance(output_grad, relax.Var) else None
+    fields = list(bound.fields) if isinstance(bound, relax.Tuple) else None
+    grads = []
+    for i in range(count):
+        field = fields[i] if fields is not None else relax.TupleGetItem(output_grad, i)
+        value = ctx.lookup_binding(field) if isinstance(field, relax.Var) else field
+        is_zeros = isinstance(value, relax.Call) and value.op.same_as(_ZEROS)
+        grads.append(None if is_zeros else field)
+    return grads
+
+
+_ZEROS = tvm.ir.Op.get("relax.zeros")
+
+
+def _batch_norm_train_grads(x, gamma, grads, attrs, channel: int):
+    """``[dx, dgamma, dbeta, dmoving_mean, dmoving_var]`` of a training-mode batch_norm (None
+    for no gradient), from the adjoints ``grads`` of ``(y, new_mean, new_var)``."""
+    g, g_mean, g_var = grads
+    dims, dtype = _ty.shape_values(x), _ty.dtype_of(x)
+    axes = [a for a in range(len(dims)) if a != channel]
+    xw = _wide(x, dtype)
+    xhat, rstd = _standardized(xw, axes, float(attrs.epsilon), _wide_dtype(dtype))
+    dx = dgamma = dbeta = None
+    if g is not None:
+        g = _wide(g, dtype)
+        gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+        dx = _standardized_grad(xhat, rstd, gx if attrs.scale else g, axes)
+    wide, momentum = _wide_dtype(dtype), float(attrs.momentum)
+    per_element = const(momentum, wide) / scalar(count(x, axes), wide)  # m / n
+    stat_grads = []
+    for stat_grad, of_x in ((g_mean, None), (g_var, xw - mean(xw, axes, keepdims=True))):
+        if stat_grad is None:  # new_mean = (1 - m) mean + m batch_mean, same for the var
+            stat_grads.append(None)
+            continue
+        stat_grads.append(const(1 - momentum, dtype) * stat_grad)
+        per_x = _per_axes(stat_grad, [channel], dims, dtype) * per_element
+        per_x = per_x if of_x is None else const(2, wide) * per_x * of_x
+        dx = per_x if dx is None else dx + per_x
+    return [dx, dgamma, dbeta, *stat_grads]
+
+
+def _batch_norm_eval_grads(x, gamma, moving_mean, moving_var, grads, attrs, channel: int):
+    """``[dx, dgamma, dbeta, dmoving_mean, dmoving_var]`` of an inference-mode batch_norm, which
+    normalizes with the moving statistics and returns them unchanged."""
+    g, g_mean, g_var = grads
+    dims, dtype = _ty.shape_values(x), _ty.dtype_of(x)
+    dx = dgamma = dbeta = None
+    d_mean, d_var = g_mean, g_var
+    if g is not None:
+        g = _wide(g, dtype)
+        r = rsqrt(_wide(moving_var, dtype) + const(float(attrs.epsilon), _wide_dtype(dtype)))
+        centered = _wide(x, dtype) - _per_axes(moving_mean, [channel], dims, dtype)
+        xhat = centered * _per_axes(r, [channel], dims, _wide_dtype(dtype))
+        gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+        gx = gx if attrs.scale else g
+        dx = gx * _per_axes(r, [channel], dims, _wide_dtype(dtype))
+        mean_grad = -_sum_except(dx, [channel], len(dims))
+        var_grad = _sum_except(gx * centered, [channel], len(dims)) * (r * r * r)
+        var_grad = const(-0.5, _wide_dtype(dtype)) * var_grad
+        d_mean = mean_grad if d_mean is None else _wide(d_mean, dtype) + mean_grad
+        d_var = var_grad if d_var is None else _wide(d_var, dtype) + var_grad
+    return [dx, dgamma, dbeta, d_mean, d_var]
+
+
+@register_gradient("relax.nn.batch_norm")
+def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``(y, new_mean, new_var) = batch_norm(x, gamma, beta, mean, var, axis)``;
+    backward (training): ``[dx(g * gamma) + momentum terms, sum(g * xhat), sum(g),
+    (1 - momentum) * g_new_mean, (1 - momentum) * g_new_var]``; (inference) the partials of
+    ``(x - mean) * rsqrt(var + eps) * gamma + beta``."""
+    x, gamma, beta, moving_mean, moving_var = orig_call.args
+    attrs, dtype = orig_call.attrs, _ty.dtype_of(x)
+    channel = int(attrs.axis) % _ty.ndim_of(x)
+    grads = _tuple_field_grads(ctx, output_grad, 3)
+    if attrs.training:
+        partials = _batch_norm_train_grads(x, gamma, grads, attrs, channel)
+    else:
+        partials = _batch_norm_eval_grads(x, gamma, moving_mean, moving_var, grads, attrs, channel)
+    if not attrs.scale:
+        partials[1] = None
+    if not attrs.center:
+        partials[2] = None
+    return [
+        no_grad(arg) if partial is None else _narrow(partial, dtype)
+        for arg, partial in zip(orig_call.args, partials)
+    ]
+
+
+@register_gradient("relax.nn.dropout")
+def dropout_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``(y, mask) = dropout(x, rate)``; backward: ``[g_y * mask]`` (TVM 0.27 lowers
+    dropout to ``y = x`` with an all-ones mask)."""
+    return [relax.TupleGetItem(output_grad, 0) * relax.TupleGetItem(orig_var, 1)]
+
+
+@register_gradient("relax.nn.prelu")
+def prelu_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = where(x > 0, x, alpha * x)``, alpha per channel on ``axis``; backward:
+    ``[where(x > 0, g, alpha * g), sum(where(x > 0, 0, g * x))]``."""
+    x, alpha = orig_call.args
+    ndim, dims = _ty.ndim_of(x), _ty.shape_values(x)
+    axis = int(orig_call.attrs.axis) % ndim
+    per_channel = [_ty.shape_values(alpha)[0] if a == axis else 1 for a in range(ndim)]
+    positive = greater(x, const(0, x))
+    dx = where(positive, output_grad, reshape(alpha, per_channel) * output_grad)
+    dalpha = _sum_except(where(positive, const(0, x), output_grad * x), [axis], ndim)
+    if dims[axis] != _ty.shape_values(alpha)[0]:  # one alpha for every channel
+        dalpha = sum(dalpha, [0], keepdims=True)
+    return [dx, dalpha]
+
+
+def _pad_blocks(mode: str, before: int, after: int, n: int):
+    """The blocks of an axis padded in ``mode``: ``(out_begin, size, in_begin, how)``, the
+    outputs ``out_begin + i`` copy the inputs ``in_begin + i`` ("flip": in reverse order; "sum":
+    all the same input)."""
+    blocks = [(before, n, 0, None)]
+    if mode == "reflect":  # without the edge: output before - 1 - i copies input i + 1
+        blocks += [(0, before, 1, "flip"), (before + n, after, n - 1 - after, "flip")]
+    elif mode == "replicate":
+        blocks += [(0, before, 0, "sum"), (before + n, after, n - 1, "sum")]
+    elif mode == "circular":
+        blocks += [(0, before, n - before, None), (before + n, after, 0, None)]
+    return [block for block in blocks if block[1] > 0]
+
+
+def _unpad_axis(g, axis: int, before: int, after: int, dims: list[int], mode: str):
+    """``g`` of an axis padded by ``before``/``after`` in ``mode`` folded back to the input:
+    each input position sums the gradients of the outputs that copy it."""
+    ndim, n = len(dims), dims[axis]
+    grad = None
+    for out_begin, size, in_begin, how in _pad_blocks(mode, before, after, n):
+        block = strided_slice(g, [axis], [out_begin], [out_begin + size])
+        if how == "flip":
+            block = flip(block, axis)
+        elif how == "sum":
+            block, size = sum(block, [axis], keepdims=True), 1
+        if (in_begin, size) != (0, n):
+            widths = [0] * (2 * ndim)
+            widths[2 * axis], widths[2 * axis + 1] = in_begin, n - in_begin - size
+            block = pad(block, widths)
+        grad = block if grad is None else grad + block
+    return grad
+
+
+@register_gradient("relax.nn.pad")
+def pad_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = pad(x, pad_width, pad_mode)``; backward: ``[g of the x positions, plus for
+    reflect/replicate/circular the g of the pads folded onto the inputs they copy]``."""
+    x = orig_call.args[0]
+    attrs = orig_call.attrs
+    dims, mode = list(static_dims(x, "relax.nn.pad")), str(attrs.pad_mode)
+    widths = _ints(attrs.pad_width)
+    limit = {"constant": None, "reflect": 1, "replicate": None, "circular": 0}
+    if mode not in limit:
+        raise GradientError(f"Gradient: relax.nn.pad has no gradient rule for pad_mode={mode!r}")
+    grad = output_grad
+    for axis, n in enumerate(dims):
+        before, after = widths[2 * axis], widths[2 * axis + 1]
+        too_wide = limit[mode] is not None and max(before, after) > n - limit[mode]
+        if min(before, after) < 0 or too_wide:
+            raise GradientError(
+                f"Gradient: relax.nn.pad has no gradient rule for pad_width ({before}, {after}) "
+                f"on an axis of {n} in pad_mode={mode!r}"
+            )
+        if before or after:
+            grad = _unpad_axis(grad, axis, before, after, dims, mode)
+    return [grad]
+
+
+def _adaptive_pool_matrix(n_in: int, n_out: int, dtype: str) -> np.ndarray:
+    """``(n_out, n_in)``: row i averages the inputs of output bin i, ``[floor(i n_in / n_out),
+    ceil((i + 1) n_in / n_out))``."""
+    matrix = np.zeros((n_out, n_in))
+    for i in range(n_out):
+        start, end = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+        matrix[i, start:end] = 1.0 / (end - start)
+    return matrix.astype(dtype)
+
+
+def _adaptive_avg_pool(op_name: str, nd: int):
+    """Register the rule of an ``nd``-D adaptive average pool. It is linear in x, one static
+    averaging matrix ``A`` per spatial axis, so ``dx = A^T g`` axis by axis (as matmuls)."""
+    layout = "NC" + "DHW"[3 - nd :]
+
+    def rule(orig_var, orig_call, output_grad, ctx):
+        x, attrs = orig_call.args[0], orig_call.attrs
+        in_dims, out_dims = (static_dims(t, op_name) for t in (x, orig_var))
+        ins = [in_dims[str(attrs.layout).index(c)] for c in layout]
+        outs = [out_dims[str(attrs.out_layout).index(c)] for c in layout]
+        grad = relayout(output_grad, attrs.out_layout, layout, op_name)
+        dims = list(outs)
+        for axis in reversed(range(2, nd + 2)):  # g (.., out, rest) -> (.., in, rest)
+            if ins[axis] == outs[axis]:
+                continue
+            dtype = _ty.dtype_of(x)
+            matrix = _adaptive_pool_matrix(ins[axis], outs[axis], dtype)
+            if axis == nd + 1:
+                grad = matmul(grad, relax.const(matrix, dtype))
+            else:
+                rest = int(np.prod(dims[axis + 1 :]))
+                merged = reshape(grad, dims[: axis + 1] + [rest]) if axis < nd else grad
+                grad = matmul(relax.const(np.ascontiguousarray(matrix.T), dtype), merged)
+            dims[axis] = ins[axis]
+            grad = reshape(grad, dims) if axis < nd else grad
+        return [relayout(grad, layout, attrs.layout, op_name)]
+
+    rule.__doc__ = (
+        f"Forward: ``y = {op_name.split('.')[-1]}(x, output_size)``; backward: ``[A^T g]`` per "
+        "spatial axis, ``A`` the static matrix averaging each output bin."
+    )
+    register_gradient(op_name, rule)
+    return rule
+
+
+adaptive_avg_pool1d_grad = _adaptive_avg_pool("relax.nn.adaptive_avg_pool1d", 1)
+adaptive_avg_pool2d_grad = _adaptive_avg_pool("relax.nn.adaptive_avg_pool2d", 2)
+adaptive_avg_pool3d_grad = _adaptive_avg_pool("relax.nn.adaptive_avg_pool3d", 3)
+
+
+def _attention_probs(q, k, bias, scale, offset: int | None):
+    """The probabilities of ``attention`` (q, k in BHSD layout), as TVM's kernel computes them:
+    ``softmax(q k^T * scale + bias)``, with probability 0 above diagonal ``offset`` if given."""
+    scores = matmul(q, permute_dims(k, [0, 1, 3, 2])) * scale
+    if bias is not None:
+        scores = scores + bias
+    if offset is None:
+        return softmax(scores, -1)
+    masked = tril(scores, offset)
+    e = tril(exp(masked - relax.op.max(masked, -1, keepdims=True)), offset)
+    return e / sum(e, -1, keepdims=True)
+
+
+def _attention_offset(attrs, q, k) -> int | None:
+    """The diagonal of the causal mask of ``attention`` (None without one)."""
+    mask = attrs.causal_mask
+    if attrs.window_size is not None or mask not in (None, "TopLeft", "BottomRight"):
+        raise GradientError(
+            f"Gradient: relax.nn.attention has no gradient rule for causal_mask={mask!r}, "
+            f"window_size={attrs.window_size} (TVM 0.27 cannot lower sliding windows either)"
+        )
+    if mask is None:
+        return None
+    if mask == "TopLeft":
+        return 0
+    seq_len, seq_len_kv = (static_dims(t, "relax.nn.attention")[1] for t in (q, k))
+    return abs(seq_len - seq_len_kv)
+
+
+def attention_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``o = p v``, ``p = softmax(q k^T * scale + bias)`` (causally masked), BSHD
+    layouts; backward: ``ds = p * (g v^T - sum(g v^T * p)) * scale``, ``[ds k, ds^T q, p^T g,
+    ds / scale]``."""
+    q, k, v, *bias = orig_call.args
+    attrs = orig_call.attrs
+    offset = _attention_offset(attrs, q, k)
+    head_dim = static_dims(q, "relax.nn.attention")[3]
+    scale = float(attrs.scale) if attrs.scale is not None else 1.0 / np.sqrt(head_dim)
+    scale = const(scale, q)
+    to_bhsd = [0, 2, 1, 3]  # its own inverse
+    qt, kt, vt, g = (permute_dims(t, to_bhsd) for t in (q, k, v, output_grad))
+    p = _attention_probs(qt, kt, bias[0] if bias else None, scale, offset)
+    dp = matmul(g, permute_dims(vt, [0, 1, 3, 2]))
+    dscores = p * (dp - sum(dp * p, -1, keepdims=True))
+    ds = dscores * scale
+    dq = permute_dims(matmul(ds, kt), to_bhsd)
+    dk = permute_dims(matmul(permute_dims(ds, [0, 1, 3, 2]), qt), to_bhsd)
+    dv = permute_dims(matmul(permute_dims(p, [0, 1, 3, 2]), g), to_bhsd)
+    return [dq, dk, dv] + [fit_shape(ctx, dscores, b) for b in bias]
+
+
+register_gradient("relax.nn.attention", attention_grad)
+register_gradient("relax.nn.attention_bias", attention_grad)

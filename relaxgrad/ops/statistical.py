@@ -19,10 +19,12 @@ from tvm.relax.op import (
     mean,
     permute_dims,
     reshape,
+    strided_slice,
     sum,
     triu,
     where,
 )
+from tvm.relax.op.nn import pad
 
 from .. import _ty
 from ..errors import GradientError
@@ -124,6 +126,15 @@ def std_grad(orig_var, orig_call, output_grad, ctx):
     ]
 
 
+def _exclusive_cumprod(x, dims: list):
+    """``cumprod(x, -1, exclusive=True)`` as an inclusive cumprod of x shifted right by a 1
+    (TVM's exclusive scan has no GPU schedule in relaxgrad.compile)."""
+    widths = [0] * (2 * len(dims))
+    widths[-2] = 1
+    shifted = strided_slice(pad(x, widths, pad_value=1.0), [len(dims) - 1], [0], [dims[-1]])
+    return cumprod(shifted, -1)
+
+
 def _product_of_others(x, axes: list[int]):
     """For each element of ``x``, the product of the other elements of its reduction group
     over ``axes``: exclusive cumprods from both ends, exact where x has zeros."""
@@ -132,9 +143,10 @@ def _product_of_others(x, axes: list[int]):
     moved = permute_dims(x, kept + axes) if kept + axes != list(range(ndim)) else x
     dims = _ty.shape_values(x)
     size = functools.reduce(operator.mul, [dims[a] for a in axes])
-    grouped = reshape(moved, [dims[a] for a in kept] + [size])
-    left = cumprod(grouped, -1, exclusive=True)
-    right = flip(cumprod(flip(grouped, -1), -1, exclusive=True), -1)
+    grouped_dims = [dims[a] for a in kept] + [size]
+    grouped = reshape(moved, grouped_dims)
+    left = _exclusive_cumprod(grouped, grouped_dims)
+    right = flip(_exclusive_cumprod(flip(grouped, -1), grouped_dims), -1)
     others = reshape(left * right, [dims[a] for a in kept + axes])
     if moved is x:
         return others
@@ -162,7 +174,8 @@ def _cumprod_pairs(x, dims: list, dtype: str, exclusive: bool):
         raise GradientError("Gradient: relax.cumprod has no gradient rule for a symbolic axis")
     rows = broadcast_to(expand_dims(x, -2), list(dims) + [n])
     skip = relax.const(np.eye(int(n), dtype=bool))
-    pairs = cumprod(where(skip, const(1, dtype), rows), -1, exclusive=exclusive)
+    rows = where(skip, const(1, dtype), rows)
+    pairs = _exclusive_cumprod(rows, list(dims) + [n]) if exclusive else cumprod(rows, -1)
     return triu(pairs, 1 if exclusive else 0)
 
 
