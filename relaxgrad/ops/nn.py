@@ -410,6 +410,9 @@ def instance_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
 
 
+_ZEROS = tvm.ir.Op.get("relax.zeros")
+
+
 def _tuple_field_grads(ctx, output_grad, count: int) -> list:
     """The adjoints of the fields of a tuple-valued op, None for the ones that are known zeros
     (fields the loss does not use get ``zeros`` from the pass)."""
@@ -422,9 +425,6 @@ def _tuple_field_grads(ctx, output_grad, count: int) -> list:
         is_zeros = isinstance(value, relax.Call) and value.op.same_as(_ZEROS)
         grads.append(None if is_zeros else field)
     return grads
-
-
-_ZEROS = tvm.ir.Op.get("relax.zeros")
 
 
 def _batch_norm_train_grads(x, gamma, grads, attrs, channel: int):
@@ -557,28 +557,33 @@ def _unpad_axis(g, axis: int, before: int, after: int, dims: list[int], mode: st
     return grad
 
 
-@register_gradient("relax.nn.pad")
-def pad_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = pad(x, pad_width, pad_mode)``; backward: ``[g of the x positions, plus for
-    reflect/replicate/circular the g of the pads folded onto the inputs they copy]``."""
-    x = orig_call.args[0]
-    attrs = orig_call.attrs
-    dims, mode = list(static_dims(x, "relax.nn.pad")), str(attrs.pad_mode)
-    widths = _ints(attrs.pad_width)
+def _pad_widths(attrs, dims: list[int]) -> list[tuple[int, int]]:
+    """``(before, after)`` per axis of a ``pad``, refusing the widths its mode cannot copy from
+    (negative ones; reflect: more than n - 1; circular: more than n)."""
+    mode, widths = str(attrs.pad_mode), _ints(attrs.pad_width)
     limit = {"constant": None, "reflect": 1, "replicate": None, "circular": 0}
     if mode not in limit:
         raise GradientError(f"Gradient: relax.nn.pad has no gradient rule for pad_mode={mode!r}")
-    grad = output_grad
-    for axis, n in enumerate(dims):
-        before, after = widths[2 * axis], widths[2 * axis + 1]
+    pairs = list(zip(widths[::2], widths[1::2]))
+    for (before, after), n in zip(pairs, dims):
         too_wide = limit[mode] is not None and max(before, after) > n - limit[mode]
         if min(before, after) < 0 or too_wide:
             raise GradientError(
                 f"Gradient: relax.nn.pad has no gradient rule for pad_width ({before}, {after}) "
                 f"on an axis of {n} in pad_mode={mode!r}"
             )
+    return pairs
+
+
+@register_gradient("relax.nn.pad")
+def pad_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = pad(x, pad_width, pad_mode)``; backward: ``[g of the x positions, plus for
+    reflect/replicate/circular the g of the pads folded onto the inputs they copy]``."""
+    dims = list(static_dims(orig_call.args[0], "relax.nn.pad"))
+    grad = output_grad
+    for axis, (before, after) in enumerate(_pad_widths(orig_call.attrs, dims)):
         if before or after:
-            grad = _unpad_axis(grad, axis, before, after, dims, mode)
+            grad = _unpad_axis(grad, axis, before, after, dims, str(orig_call.attrs.pad_mode))
     return [grad]
 
 
@@ -592,9 +597,29 @@ def _adaptive_pool_matrix(n_in: int, n_out: int, dtype: str) -> np.ndarray:
     return matrix.astype(dtype)
 
 
+def _adaptive_pool_input_grad(g, ins: list[int], outs: list[int], dtype: str):
+    """``A^T g`` over each spatial axis of ``g`` (NC..., of shape ``outs``) whose size changes,
+    as matmuls: the last axis on the right, the others on the left of ``g`` reshaped to
+    ``(.., out, rest)``."""
+    dims, last = list(outs), len(outs) - 1
+    for axis in reversed(range(2, len(outs))):
+        if ins[axis] == outs[axis]:
+            continue
+        matrix = _adaptive_pool_matrix(ins[axis], outs[axis], dtype)
+        if axis == last:
+            g = matmul(g, relax.const(matrix, dtype))
+        else:
+            rest = int(np.prod(dims[axis + 1 :]))
+            merged = reshape(g, dims[: axis + 1] + [rest]) if axis < last - 1 else g
+            g = matmul(relax.const(np.ascontiguousarray(matrix.T), dtype), merged)
+        dims[axis] = ins[axis]
+        g = reshape(g, dims) if axis < last - 1 else g
+    return g
+
+
 def _adaptive_avg_pool(op_name: str, nd: int):
     """Register the rule of an ``nd``-D adaptive average pool. It is linear in x, one static
-    averaging matrix ``A`` per spatial axis, so ``dx = A^T g`` axis by axis (as matmuls)."""
+    averaging matrix ``A`` per spatial axis, so ``dx = A^T g`` axis by axis."""
     layout = "NC" + "DHW"[3 - nd :]
 
     def rule(orig_var, orig_call, output_grad, ctx):
@@ -603,20 +628,7 @@ def _adaptive_avg_pool(op_name: str, nd: int):
         ins = [in_dims[str(attrs.layout).index(c)] for c in layout]
         outs = [out_dims[str(attrs.out_layout).index(c)] for c in layout]
         grad = relayout(output_grad, attrs.out_layout, layout, op_name)
-        dims = list(outs)
-        for axis in reversed(range(2, nd + 2)):  # g (.., out, rest) -> (.., in, rest)
-            if ins[axis] == outs[axis]:
-                continue
-            dtype = _ty.dtype_of(x)
-            matrix = _adaptive_pool_matrix(ins[axis], outs[axis], dtype)
-            if axis == nd + 1:
-                grad = matmul(grad, relax.const(matrix, dtype))
-            else:
-                rest = int(np.prod(dims[axis + 1 :]))
-                merged = reshape(grad, dims[: axis + 1] + [rest]) if axis < nd else grad
-                grad = matmul(relax.const(np.ascontiguousarray(matrix.T), dtype), merged)
-            dims[axis] = ins[axis]
-            grad = reshape(grad, dims) if axis < nd else grad
+        grad = _adaptive_pool_input_grad(grad, ins, outs, _ty.dtype_of(x))
         return [relayout(grad, layout, attrs.layout, op_name)]
 
     rule.__doc__ = (
@@ -661,6 +673,8 @@ def _attention_offset(attrs, q, k) -> int | None:
     return abs(seq_len - seq_len_kv)
 
 
+@register_gradient("relax.nn.attention")
+@register_gradient("relax.nn.attention_bias")
 def attention_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``o = p v``, ``p = softmax(q k^T * scale + bias)`` (causally masked), BSHD
     layouts; backward: ``ds = p * (g v^T - sum(g v^T * p)) * scale``, ``[ds k, ds^T q, p^T g,
@@ -681,7 +695,3 @@ def attention_grad(orig_var, orig_call, output_grad, ctx):
     dk = permute_dims(matmul(permute_dims(ds, [0, 1, 3, 2]), qt), to_bhsd)
     dv = permute_dims(matmul(permute_dims(p, [0, 1, 3, 2]), g), to_bhsd)
     return [dq, dk, dv] + [fit_shape(ctx, dscores, b) for b in bias]
-
-
-register_gradient("relax.nn.attention", attention_grad)
-register_gradient("relax.nn.attention_bias", attention_grad)
