@@ -110,7 +110,7 @@ def check_gradients(
     eps: float | None = None,
     tol: float | None = None,
     seed: int = 0,
-    target: str = "llvm",
+    target: str | dict | tvm.target.Target = "llvm",
     grad_pass: Callable | None = None,
 ) -> GradCheck:
     """Check the gradients of ``mod[func_name]`` against finite differences on compiled code.
@@ -128,6 +128,8 @@ def check_gradients(
     eps, tol : float, optional
         Finite-difference step and tolerance on ``|fd - ad| / max(1, |fd|, |ad|)``;
         chosen from the dtype when omitted.
+    target : str, dict or Target
+        Where to compile and run; ``{"kind": "llvm", "opt-level": 0}`` compiles ~3x faster.
     grad_pass : callable, optional
         ``(func_name, require_grads, target_index) -> Pass``; defaults to relaxgrad's Gradient.
     """
@@ -142,7 +144,9 @@ def check_gradients(
     grad_mod = grad_pass(func_name, [params[i] for i in wrt], target_index)(mod)
     grad_mod = LowerCallTIRWithGrad()(grad_mod)
 
-    dev = tvm.cpu() if str(target).startswith("llvm") else tvm.device(str(target).split()[0])
+    target = tvm.target.Target(target)
+    kind = target.kind.name
+    dev = tvm.cpu() if kind == "llvm" else tvm.device(kind)
     vm = relax.VirtualMachine(tvm.compile(grad_mod, target=target), dev)
     fwd, adj = vm[func_name], vm[func_name + "_adjoint"]
 
