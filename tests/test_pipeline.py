@@ -1,5 +1,6 @@
-"""relaxgrad.compile (relaxgrad/pipeline.py): llvm results equal tvm.compile's; CUDA builds (without a GPU) where the
-stock pipeline fails; per-function rule choice and its errors.
+"""relaxgrad.compile (relaxgrad/pipeline.py): llvm results equal tvm.compile's; CUDA builds
+(without a GPU) where the stock pipeline fails; per-function rule choice and its errors, on GPU
+and CPU; TiledMatmul against numpy.
 
 The model builders here are shared with bench/gpu_check.py, which runs them on a GPU.
 """
@@ -12,15 +13,21 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, s_tir
+import tvm_ffi
+from tvm import relax, s_tir, te
 from tvm.relax import op
 from tvm.s_tir import dlight as dl
+from tvm.tirx import ForKind
 
 import relaxgrad
 from relaxgrad.pipeline import (
     DEFAULT_CUDA_ARCH,
     FullReduction,
+    ParallelLoops,
+    ScheduleCPU,
     ScheduleGPU,
+    TiledMatmul,
+    host_target,
     resolve_target,
 )
 from relaxgrad.testing import random_inputs
@@ -123,15 +130,20 @@ def _flatten(value) -> list[np.ndarray]:
     return [leaf for item in value for leaf in _flatten(item)]
 
 
-def test_llvm_matches_tvm_compile():
-    mod = adjoint_module("mlp")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_llvm_matches_tvm_compile(name):
+    """Fused and scheduled by ScheduleCPU, the same values as TVM's unfused naive loops."""
+    mod = adjoint_module(name)
     inputs = random_inputs(mod["main"], seed=3)
-    ours, stock = relaxgrad.compile(mod, "llvm"), tvm.compile(mod, "llvm")
+    schedule = ScheduleCPU()
+    ours = relaxgrad.compile(mod, "llvm", schedule=schedule)
+    stock = tvm.compile(mod, "llvm")
+    assert "TiledMatmul" in schedule.choices.values() and not schedule.errors
     for func in ("main", "main_adjoint"):
         got, want = _run(ours, func, inputs), _run(stock, func, inputs)
-        assert len(got) == len(want) == (1 if func == "main" else 7)
+        assert len(got) == len(want) == (1 if func == "main" else len(inputs) + 1)
         for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 # --- CUDA, built without a GPU ---
@@ -286,3 +298,163 @@ def test_full_reduction_is_one_kernel():
     assert all(loop.thread_binding.thread_tag == "blockIdx.x" for loop in outer_loops(ours))
     assert any(loop.thread_binding is None for loop in outer_loops(general))
     assert FullReduction().apply(_fused(mlp())["multiply"], target, False) is None
+
+
+# --- the CPU schedule step ---
+
+
+LLVM = tvm.target.Target("llvm")
+
+
+def _scheduled(mod: tvm.IRModule, schedule) -> tvm.IRModule:
+    with LLVM:
+        return schedule(mod)
+
+
+def _prim_funcs(mod: tvm.IRModule) -> list[str]:
+    return sorted(
+        gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)
+    )
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cpu_matmuls_get_tiled_matmul(name):
+    """Every matmul (fused with bias, relu, relu's adjoint, a scale; batched in attention)
+    and every convolution is scheduled by TiledMatmul; every other PrimFunc by some rule."""
+    mod = _fused(adjoint_module(name))
+    schedule = ScheduleCPU()
+    _scheduled(mod, schedule)
+    assert sorted(schedule.choices) == _prim_funcs(mod) and not schedule.errors
+    tiled = {f for f, rule in schedule.choices.items() if rule == "TiledMatmul"}
+    assert {f for f in schedule.choices if "matmul" in f or "conv2d" in f} <= tiled
+    assert any(f.startswith("fused_") for f in tiled)  # with its epilogue
+
+
+def _loop_kinds(func: tvm.tirx.PrimFunc) -> set:
+    kinds = set()
+    tvm_ffi.structural_walk(func.body, [(tvm.tirx.For, lambda loop: kinds.add(loop.kind))])
+    return kinds
+
+
+def test_tiled_matmul_parallelizes_and_vectorizes_large_matmuls():
+    mod = _fused(mlp(batch=64, d_in=128, hidden=256))
+    after = _scheduled(mod, ScheduleCPU())
+    kinds = _loop_kinds(after["fused_matmul_add_relu"])
+    assert {ForKind.PARALLEL, ForKind.VECTORIZED, ForKind.UNROLLED} <= kinds
+    # The digits-sized matmuls of mlp() stay on one thread: a launch would cost more.
+    small = _scheduled(_fused(mlp()), ScheduleCPU())["fused_matmul_add_relu"]
+    assert ForKind.PARALLEL not in _loop_kinds(small)
+    assert ForKind.VECTORIZED in _loop_kinds(small)
+
+
+def _matmul_func(a_shape, b_shape, a_t: bool, b_t: bool, epilogue: bool) -> tvm.tirx.PrimFunc:
+    """``C = op(A) @ op(B)`` (+ relu of C + 1 when ``epilogue``) as a TE PrimFunc; ``op``
+    transposes the last two dims where asked, inside the matmul's reads."""
+    a, b = te.placeholder(a_shape, name="A"), te.placeholder(b_shape, name="B")
+    m, k = (a_shape[-1], a_shape[-2]) if a_t else a_shape[-2:]
+    n = b_shape[-2] if b_t else b_shape[-1]
+    batch = a_shape[:-2]
+    r = te.reduce_axis((0, k), name="k")
+
+    def compute(*idx):
+        *s, i, j = idx
+        lhs = a[(*s, r, i)] if a_t else a[(*s, i, r)]
+        rhs = (
+            b[(*s[len(s) - len(b_shape) + 2 :], j, r)]
+            if b_t
+            else b[(*s[len(s) - len(b_shape) + 2 :], r, j)]
+        )
+        return te.sum(lhs * rhs, axis=r)
+
+    c = te.compute((*batch, m, n), compute, name="C")
+    if epilogue:
+        c = te.compute(c.shape, lambda *idx: te.max(c(*idx), 0.0) + 1.0, name="E")
+    return te.create_prim_func([a, b, c])
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape, a_t, b_t, epilogue",
+    [
+        ((37, 29), (29, 70), False, False, True),  # tails in every tile
+        ((29, 37), (70, 29), True, True, False),  # both operands transposed
+        ((3, 16, 8), (8, 33), False, False, False),  # batched left, shared right
+        ((2, 5, 12), (2, 9, 12), False, True, True),  # batched, B^T (attention scores)
+    ],
+)
+def test_tiled_matmul_matches_numpy(a_shape, b_shape, a_t, b_t, epilogue):
+    func = _matmul_func(a_shape, b_shape, a_t, b_t, epilogue)
+    sch = TiledMatmul(parallel_macs=0).apply(func, LLVM, False)
+    assert sch is not None
+    assert ForKind.PARALLEL in _loop_kinds(sch.mod["main"])
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(a_shape).astype("float32")
+    b = rng.standard_normal(b_shape).astype("float32")
+    want = (np.swapaxes(a, -1, -2) if a_t else a) @ (np.swapaxes(b, -1, -2) if b_t else b)
+    want = np.maximum(want, 0) + 1 if epilogue else want
+    lib = tvm.tirx.build(sch.mod, target=LLVM)
+    out = tvm.runtime.tensor(np.zeros(want.shape, "float32"))
+    lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_matmul_tiles_stay_boxes_in_convolutions():
+    """conv2d is matmul-like with I = (n, y, x) fused; on a 3x3 output a 4-row tile would span
+    two image rows, and the write-back of such a tile read values not yet computed."""
+    mod = _module([("x", (2, 4, 5, 5)), ("w", (6, 4, 3, 3))], lambda bb, x, w: op.nn.conv2d(x, w))
+    func = relax.transform.LegalizeOps()(mod)["conv2d"]
+    sch = TiledMatmul(parallel_macs=0).apply(func, LLVM, False)
+    assert sch is not None
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal([int(d) for d in b.shape]).astype("float32") for b in func.params]
+    outs = []
+    for f in (func, sch.mod["main"]):
+        lib = tvm.tirx.build(f.with_attr("global_symbol", "main"), target=LLVM)
+        tensors = [tvm.runtime.tensor(a) for a in args]
+        lib["main"](*tensors)
+        outs.append(tensors[-1].numpy())
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_matmul_does_not_apply_elsewhere():
+    mod = _fused(mlp())
+    for name in ("mean", "log_softmax", "transpose"):
+        if name in _prim_funcs(mod):
+            assert TiledMatmul().apply(mod[name], LLVM, False) is None, name
+    assert TiledMatmul().apply(mod["fused_matmul_add_relu"], tvm.target.Target(CUDA), False) is None
+
+
+def test_cpu_rule_that_raises_falls_through_per_function():
+    mod = _fused(mlp())
+    schedule = ScheduleCPU([_Raises(), ParallelLoops()])
+    _scheduled(mod, schedule)
+    assert sorted(schedule.choices) == _prim_funcs(mod)
+    assert set(schedule.choices.values()) == {"ParallelLoops"}
+    assert schedule.errors["mean"] == ["_Raises raised RuntimeError: this rule always fails"]
+
+
+def test_cpu_primfunc_no_rule_schedules_is_left_as_it_was():
+    mod = _fused(mlp())
+    schedule = ScheduleCPU([_Raises(), TiledMatmul()])
+    after = _scheduled(mod, schedule)
+    assert set(schedule.choices.values()) == {"TiledMatmul"}
+    for name in set(_prim_funcs(mod)) - set(schedule.choices):
+        tvm.ir.assert_structural_equal(after[name], mod[name])
+    assert sorted(schedule.errors) == _prim_funcs(mod)
+
+
+def test_gpu_primfuncs_are_left_alone_by_schedule_cpu():
+    mod = _fused(mlp())
+    with tvm.target.Target(CUDA):
+        after = ScheduleCPU()(mod)
+    tvm.ir.assert_structural_equal(after, mod)
+
+
+def test_host_target_builds():
+    target = host_target()
+    assert target.kind.name == "llvm" and target.attrs["mcpu"]
+    mod = adjoint_module("mlp")
+    inputs = random_inputs(mod["main"], seed=5)
+    got = _run(relaxgrad.compile(mod, target), "main_adjoint", inputs)
+    want = _run(tvm.compile(mod, "llvm"), "main_adjoint", inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
