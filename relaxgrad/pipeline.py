@@ -714,7 +714,19 @@ def _is_gpu(target: Target) -> bool:
 
 
 def _is_scheduled(func: tirx.PrimFunc) -> bool:
-    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+    """Marked scheduled, or already binding GPU threads (e.g. TVM's own CUDA kernels of
+    ``scatter_elements``, which legalization emits without the mark)."""
+    if func.attrs and func.attrs.get("tirx.is_scheduled", False):
+        return True
+    found = []
+    callbacks = [
+        (tirx.For, lambda loop: found.append(loop) if loop.kind == tirx.ForKind.THREAD_BINDING
+         else None),
+        (tirx.AttrStmt, lambda attr: found.append(attr) if attr.attr_key in _THREAD_ENV_ATTRS
+         else None),
+    ]
+    tvm_ffi.structural_walk(func.body, callbacks, order="pre")
+    return bool(found)
 
 
 def _local_cuda_arch() -> str:

@@ -458,3 +458,22 @@ def test_host_target_builds():
     want = _run(tvm.compile(mod, "llvm"), "main_adjoint", inputs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_kernels_from_legalization_are_kept():
+    """scatter_elements legalizes to TVM's own CUDA kernel (threads bound, not marked
+    scheduled): the schedule step leaves it as it is instead of failing on it."""
+    x = relax.Var("x", relax.TensorType((4, 5), "float32"))
+    idx = relax.Var("i", relax.TensorType((2, 5), "int64"))
+    u = relax.Var("u", relax.TensorType((2, 5), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, idx, u]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.scatter_elements(x, idx, u, 0))
+            gv = bb.emit_output(relax.op.sum(relax.op.gather_elements(s, idx, 0)))
+        bb.emit_func_output(gv)
+    mod = relaxgrad.Gradient("main", [x, u])(bb.get())
+    schedule = ScheduleGPU()
+    relaxgrad.compile(mod, CUDA, schedule=schedule)
+    assert not any(name.startswith("scatter_elements") for name in schedule.choices)
+    assert schedule.choices  # the other kernels were scheduled by rules
