@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import relaxgrad  # noqa: E402
 from relaxgrad import _ty  # noqa: E402
-from relaxgrad.pipeline import ScheduleGPU, resolve_target  # noqa: E402
+from relaxgrad.pipeline import resolve_target  # noqa: E402
+from relaxgrad.schedules import ScheduleGPU  # noqa: E402
 from tests.test_pipeline import CNN_OPS, MODELS  # noqa: E402
 
 SIZES = {

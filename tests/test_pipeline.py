@@ -20,16 +20,8 @@ from tvm.s_tir import dlight as dl
 from tvm.tirx import ForKind
 
 import relaxgrad
-from relaxgrad.pipeline import (
-    DEFAULT_CUDA_ARCH,
-    FullReduction,
-    ParallelLoops,
-    ScheduleCPU,
-    ScheduleGPU,
-    TiledMatmul,
-    host_target,
-    resolve_target,
-)
+from relaxgrad.pipeline import DEFAULT_CUDA_ARCH, host_target, resolve_target
+from relaxgrad.schedules import FullReduction, ParallelLoops, ScheduleCPU, ScheduleGPU, TiledMatmul
 from relaxgrad.testing import random_inputs
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}

@@ -1,0 +1,21 @@
+"""Schedule steps for relaxgrad.compile: a rule per PrimFunc, chosen by trying them in order.
+
+:class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
+(:class:`TiledMatmul`, dlight's CPU rules, :class:`ParallelLoops`) share one mechanism: a rule
+that raises or whose schedule fails verification falls through to the next, and the choice is
+recorded in ``choices`` / ``errors``.
+"""
+
+from .cpu import ParallelLoops, TiledMatmul
+from .gpu import FullReduction
+from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
+
+__all__ = [
+    "FullReduction",
+    "ParallelLoops",
+    "ScheduleCPU",
+    "ScheduleGPU",
+    "TiledMatmul",
+    "default_cpu_rules",
+    "default_gpu_rules",
+]

@@ -1,0 +1,272 @@
+"""CPU schedule rules: tiled matmuls and parallel, vectorized loops."""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func, try_inline_contiguous_spatial
+from tvm.s_tir.dlight.base import get_extent
+from tvm.s_tir.dlight.gpu.matmul import (
+    IterKind,
+    auto_inline_producers,
+    detect_iter_traits,
+    get_index_map,
+    get_reduction_blocks,
+)
+from tvm.target import Target
+from tvm.target.codegen import llvm_cpu_has_features
+from tvm.tirx.analysis import undefined_vars
+
+from ..errors import GradientError
+
+
+class TiledMatmul(ScheduleRule):
+    """Matmul-like CPU functions: ``C[s, i, j] = sum_k A[.., i, .., k] * B[.., k, .., j]``
+    (batch dims ``s``, operands in any layout), with injective prologues and epilogues.
+
+    Prologues (e.g. a transpose) are inlined into the matmul and epilogues (bias, relu, the
+    ``where`` of relu's adjoint) into one block computed per tile. Each thread takes a
+    ``cols``-wide panel of ``B``, packs it contiguously, and sweeps it with ``rows x cols``
+    register tiles of ``C``: ``k`` innermost but for the unrolled rows and vectorized
+    columns. Threads only run when the matmul has at least ``parallel_macs`` multiply-adds.
+
+    Parameters
+    ----------
+    rows : int
+        Rows of ``C`` per register tile.
+    vectors : int
+        SIMD vectors per row of a register tile (``cols = vectors * lanes``).
+    parallel_macs : int
+        Multiply-adds from which the panels run on parallel threads.
+    """
+
+    def __init__(self, rows: int = 4, vectors: int = 2, parallel_macs: int = 1 << 20):
+        self.rows, self.vectors, self.parallel_macs = rows, vectors, parallel_macs
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        reductions = get_reduction_blocks(sch, sch.get_child_blocks(sch.get_sblock("root")))
+        if not reductions:
+            return None
+        main = reductions[0]
+        auto_inline_producers(sch, main)
+        index_maps = get_index_map(sch.get(main))
+        if index_maps is None:
+            return None
+        rows, cols = _fused_tiles(
+            sch.get(main),
+            self.rows,
+            self.vectors * _vector_lanes(target, sch.get(main).writes[0].source.dtype),
+        )
+        sch.transform_block_layout(main, index_maps[0])  # iters: [S, I, J, K]
+        epilogue = _epilogue(sch, main)
+        if epilogue is None:
+            return None
+        s, i, j, k = sch.get_loops(main)
+        macs = _static_product(get_extent(sch, loop) for loop in (s, i, j, k))
+        io, ii = sch.split(i, [None, rows])
+        jo, ji = sch.split(j, [None, cols])
+        sch.reorder(s, jo, io, k, ii, ji)
+        panel = sch.fuse(s, jo)
+        packed = sch.cache_read(main, _operand_with(sch.get(main), 2), "global")
+        sch.compute_at(packed, panel)
+        sch.vectorize(sch.get_loops(packed)[-1])
+        if macs >= self.parallel_macs:
+            sch.parallel(panel)
+        sch.unroll(ii)
+        sch.vectorize(ji)
+        sch.reverse_compute_at(epilogue, io)
+        sch.vectorize(sch.get_loops(epilogue)[-1])
+        sch.decompose_reduction(main, k)
+        return sch
+
+
+def _fused_tiles(block: tirx.SBlock, rows: int, cols: int) -> tuple[int, int]:
+    """Tile sizes for the ``I`` and ``J`` iters of a matmul-like ``block`` near ``rows`` and
+    ``cols``.
+
+    Where several of the block's iters fuse into ``I`` (e.g. the image rows and columns of a
+    convolution), a tile must not straddle the innermost one: the tile of ``C`` it writes
+    would not be a box, and the epilogue, computed per box, would read values not yet
+    computed. Such a tile is cut to a divisor of the innermost extent.
+    """
+    *_, traits = detect_iter_traits(block)
+    tiles = []
+    for kind, want in ((IterKind.kIter_I, rows), (IterKind.kIter_J, cols)):
+        extents = [t.extent for t in traits if t.kind == kind]
+        inner = int(extents[-1]) if isinstance(extents[-1], tirx.IntImm) else extents[-1]
+        tile = _tile(inner, want)
+        fits = len(extents) == 1 or (isinstance(inner, int) and inner % tile == 0)
+        tiles.append(tile if fits else 1)
+    return tiles[0], tiles[1]
+
+
+def _epilogue(sch: s_tir.Schedule, main) -> s_tir.schedule.SBlockRV | None:
+    """Inline every other block into one that writes the result from ``main``'s accumulator
+    (a new write-back block when there is no epilogue); None when that is not possible."""
+    root = sch.get_sblock("root")
+    inlined = True
+    while inlined:
+        inlined = False
+        for block in sch.get_child_blocks(root):
+            if sch.get(block).same_as(sch.get(main)):
+                continue
+            try:
+                sch.compute_inline(block)
+            except s_tir.ScheduleError:  # an output, or a block that cannot be inlined
+                continue
+            inlined = True
+    others = [b for b in sch.get_child_blocks(root) if not sch.get(b).same_as(sch.get(main))]
+    if not others:
+        return sch.cache_write(main, 0, "local")
+    consumers = sch.get_consumers(main)
+    if (
+        len(others) != 1
+        or len(consumers) != 1
+        or not sch.get(consumers[0]).same_as(sch.get(others[0]))
+        or not _elementwise_on(sch.get(others[0]), sch.get(main).writes[0].source)
+    ):
+        return None
+    sch.set_scope(main, 0, "local")
+    return others[0]
+
+
+def _elementwise_on(block: tirx.SBlock, buffer) -> bool:
+    """Whether ``block`` reads ``buffer`` only at the point it writes (so that it can run per
+    tile of ``buffer``: no transpose or broadcast of the matmul's result)."""
+    (write,) = block.writes
+    reads = [r for r in block.reads if r.source.same_as(buffer)]
+    return all(
+        len(r.region) == len(write.region)
+        and all(
+            tvm_ffi.structural_equal(a.min, b.min) and _is_one(a.extent)
+            for a, b in zip(r.region, write.region, strict=True)
+        )
+        for r in reads
+    )
+
+
+def _is_one(expr) -> bool:
+    return isinstance(expr, int | tirx.IntImm) and int(expr) == 1
+
+
+def _operand_with(block: tirx.SBlock, position: int) -> int:
+    """The index in ``block.reads`` of the operand indexed by the block's ``position``-th iter."""
+    var = block.iter_vars[position].var
+    for index, read in enumerate(block.reads):
+        if any(var in set(undefined_vars(r.min)) for r in read.region):
+            return index
+    raise GradientError(f"TiledMatmul: block {block.name_hint} reads nothing indexed by {var}")
+
+
+class ParallelLoops(ScheduleRule):
+    """Any CPU function, block by block, after inlining what can be inlined.
+
+    An injective block has its loops fused, vectorized by ``lanes`` and, from
+    ``parallel_elements`` iterations, run on parallel threads. A reduction block runs its
+    leading spatial loops on parallel threads (from ``parallel_elements`` iterations in all);
+    when its innermost spatial loop indexes the innermost dimension of what it reads (a sum
+    over rows, as in a bias gradient), that loop goes inside the reduction, vectorized.
+    """
+
+    def __init__(self, parallel_elements: int = 1 << 15):
+        self.parallel_elements = parallel_elements
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+        if not infos:
+            return None
+        for info in infos:
+            dtype = sch.get(info.block_rv).writes[0].source.dtype
+            lanes = 4 * _vector_lanes(target, dtype)  # a few vectors per iteration
+            if info.is_injective():
+                self._injective(sch, info, lanes)
+            else:
+                self._reduction(sch, info, lanes)
+        return sch
+
+    def _injective(self, sch: s_tir.Schedule, info, lanes: int) -> None:
+        loops = sch.get_loops(info.block_rv)
+        if not loops:
+            return
+        extent = _static_product(info.dom())
+        if len(loops) > 1 and _reads_transposed(sch.get(info.block_rv), info.iters[-2].var):
+            # Square tiles, so that the strided reads of a transpose stay in cache.
+            rows, cols = (_tile(get_extent(sch, loop), lanes // 2) for loop in loops[-2:])
+            io, ii = sch.split(loops[-2], [None, rows])
+            jo, ji = sch.split(loops[-1], [None, cols])
+            sch.reorder(io, jo, ii, ji)
+            outer, inner = sch.fuse(*loops[:-2], io, jo), ji
+        else:
+            fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+            outer, inner = sch.split(fused, [None, _tile(get_extent(sch, fused), lanes)])
+        sch.vectorize(inner)
+        if extent >= self.parallel_elements:
+            sch.parallel(outer)
+
+    def _reduction(self, sch: s_tir.Schedule, info, lanes: int) -> None:
+        kinds = info.dom_kind()
+        spatial = len(kinds) - len(kinds.lstrip("S"))
+        if spatial == 0:
+            return
+        loops = sch.get_loops(info.block_rv)
+        last, first_reduction = loops[spatial - 1], loops[spatial]
+        inner = None
+        if _indexes_innermost(sch.get(info.block_rv), info.iters[spatial - 1].var):
+            last, inner = sch.split(last, [None, _tile(get_extent(sch, last), lanes)])
+            sch.reorder(*loops[spatial:], inner)
+        outer = [*loops[: spatial - 1], last]
+        fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+        if _static_product(info.dom()) >= self.parallel_elements:
+            sch.parallel(fused)
+        if inner is not None:
+            sch.vectorize(inner)
+            sch.decompose_reduction(info.block_rv, first_reduction)
+
+
+def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:
+    """Whether ``block`` reads a buffer whose innermost index is ``var``, an outer loop's."""
+    return any(r.region and r.region[-1].min.same_as(var) for r in block.reads)
+
+
+def _indexes_innermost(block: tirx.SBlock, var: tirx.Var) -> bool:
+    """Whether every buffer ``block`` reads or writes has ``var`` as its innermost index."""
+    regions = [*block.reads, *block.writes]
+    return all(r.region and r.region[-1].min.same_as(var) for r in regions)
+
+
+def _vector_lanes(target: Target, dtype) -> int:
+    """Elements of ``dtype`` in one SIMD register of ``target`` (128-bit registers if unknown)."""
+    bits = 128
+    try:
+        if llvm_cpu_has_features(["avx512f"], target):
+            bits = 512
+        elif llvm_cpu_has_features(["avx"], target):
+            bits = 256
+    except Exception:  # noqa: BLE001 (TVM raises for targets LLVM does not know)
+        pass
+    return max(bits // tvm.runtime.DataType(str(dtype)).bits, 1)
+
+
+def _tile(extent, want: int) -> int:
+    """A tile size near ``want`` for a loop of ``extent``: the extent itself when smaller, else
+    the largest divisor in ``[want / 2, want]`` (no tail), else ``want``."""
+    if not isinstance(extent, int):
+        return want
+    if extent <= want:
+        return extent
+    return next((d for d in range(want, want // 2 - 1, -1) if extent % d == 0), want)
+
+
+def _static_product(extents) -> int:
+    """The product of the static extents; a dynamic one counts as large."""
+    product = 1
+    for extent in extents:
+        product *= int(extent) if isinstance(extent, int | tirx.IntImm) else 1 << 20
+    return product
