@@ -15,19 +15,23 @@ def type_of(expr: relax.Expr) -> Type | None:
     return getattr(expr, "ty", None)
 
 
+def _as_type(expr_or_ty) -> Type:
+    return expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+
+
 def is_tensor(expr_or_ty) -> bool:
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return isinstance(ty, relax.TensorType)
 
 
 def is_tuple(expr_or_ty) -> bool:
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return isinstance(ty, relax.TupleType)
 
 
 def dtype_of(expr_or_ty) -> str:
     """The dtype string of a tensor expr or TensorType."""
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     dtype = ty.dtype
     if isinstance(dtype, PrimType):
         dtype = dtype.dtype
@@ -36,7 +40,7 @@ def dtype_of(expr_or_ty) -> str:
 
 def shape_of(expr_or_ty) -> relax.ShapeExpr | None:
     """The ShapeExpr of a tensor expr or TensorType (None when the shape is unknown)."""
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return ty.shape
 
 
@@ -52,7 +56,7 @@ def static_shape(expr_or_ty) -> tuple[int, ...]:
 
 def ndim_of(expr_or_ty) -> int:
     """The rank of a tensor (-1 when unknown)."""
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return int(ty.ndim)
 
 
@@ -61,17 +65,17 @@ def is_float_dtype(dtype: str) -> bool:
 
 
 def is_float_tensor(expr_or_ty) -> bool:
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return isinstance(ty, relax.TensorType) and is_float_dtype(dtype_of(ty))
 
 
 def is_scalar_tensor(expr_or_ty) -> bool:
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return isinstance(ty, relax.TensorType) and int(ty.ndim) == 0
 
 
 def tuple_fields(expr_or_ty) -> list[Type]:
-    ty = expr_or_ty if isinstance(expr_or_ty, Type) else type_of(expr_or_ty)
+    ty = _as_type(expr_or_ty)
     return list(ty.fields)
 
 

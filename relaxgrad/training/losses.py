@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 from typing import Literal
 
-import tvm
 from tvm import relax
 from tvm.ir import IRModule
 from tvm.relax import op
 
 from .. import _ty
+from .._module import with_function
 
 __all__ = ["CrossEntropyLoss", "Loss", "MSELoss", "append_loss"]
 
@@ -158,10 +158,7 @@ def append_loss(
                 bb.emit_normalized(binding)
             out = bb.emit_output(loss.emit(bb, result, target))
         bb.emit_func_output(out)
-    new = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
-    existing = [gv for gv in new.get_global_vars() if gv.name_hint == name]
-    new[existing[0] if existing else tvm.ir.GlobalVar(name)] = bb.get()[name]
-    return new
+    return with_function(mod, name, bb.get()[name])
 
 
 def _model_function(mod: IRModule, func_name: str) -> relax.Function:

@@ -13,6 +13,7 @@ from tvm.ir import IRModule
 import relaxgrad
 
 from .. import _ty
+from .._module import with_function
 from ..transforms import Gradient
 from .datasets import minibatches
 from .losses import Loss, append_loss
@@ -258,9 +259,7 @@ def _device(target) -> tvm.runtime.Device:
 def _with_function(mod: IRModule, name: str, func: relax.Function) -> IRModule:
     if name in _names(mod):
         raise ValueError(f"Trainer: the model module already has a function named {name!r}")
-    mod = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
-    mod[tvm.ir.GlobalVar(name)] = func.with_attr("global_symbol", name)
-    return mod
+    return with_function(mod, name, func)
 
 
 def _as_tuple(x: Inputs) -> tuple:

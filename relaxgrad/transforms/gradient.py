@@ -10,6 +10,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax import Function, Var
 
 from .. import _ty
+from .._module import with_function
 from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import collect_checkpoints
@@ -72,7 +73,7 @@ def gradient_module(
     var_map = _var_map(func, copied)
     block = _single_dataflow_block(copied, func_name)
 
-    bb = relax.BlockBuilder(_shallow_copy(mod))
+    bb = relax.BlockBuilder(mod.clone())
     params = list(copied.params)
     bb.begin_scope(params)
     bb._begin_dataflow_block()
@@ -94,7 +95,7 @@ def gradient_module(
         adjoint = lower_call_tir_with_grad(adjoint)
     adjoint = remove_unused(adjoint)
     adjoint = simplify_gradient(adjoint)
-    return _add_function(bb.get(), adjoint, func_name + "_adjoint")
+    return with_function(bb.get(), func_name + "_adjoint", adjoint)
 
 
 def _emit_forward(bb: relax.BlockBuilder, bindings) -> bool:
@@ -121,18 +122,6 @@ def _lookup(mod: IRModule, func_name: str) -> Function:
             f"Gradient: {func_name!r} is a {type(func).__name__}, not a Relax function"
         )
     return func
-
-
-def _add_function(mod: IRModule, func: Function, name: str) -> IRModule:
-    """``mod`` with ``func`` as public function ``name`` (replacing one of that name)."""
-    func = func.with_attr("global_symbol", name)
-    existing = [gv for gv in mod.get_global_vars() if gv.name_hint == name]
-    mod[existing[0] if existing else tvm.ir.GlobalVar(name)] = func
-    return mod
-
-
-def _shallow_copy(mod: IRModule) -> IRModule:
-    return IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
 
 
 def _var_map(old: Function, new: Function) -> dict:

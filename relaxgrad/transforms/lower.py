@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -25,7 +26,14 @@ class _Lower(PyExprMutator):
 
 
 def _uses_call_tir_with_grad(func: relax.Function) -> bool:
-    return "call_tir_with_grad" in func.script(show_meta=False)
+    with_grad, found = Op.get("relax.call_tir_with_grad"), []
+
+    def visit_call(call: relax.Call) -> None:
+        if isinstance(call.op, Op) and call.op.same_as(with_grad):
+            found.append(call)
+
+    tvm_ffi.structural_walk(func, [(relax.Call, visit_call)])
+    return bool(found)
 
 
 def lower_call_tir_with_grad(func: relax.Function) -> relax.Function:
@@ -46,7 +54,7 @@ class LowerCallTIRWithGrad:
         }
         if not updates:
             return mod
-        new_mod = IRModule(dict(mod.functions_items()), mod.attrs, mod.global_infos)
+        new_mod = mod.clone()
         for gv, func in updates.items():
             new_mod[gv] = func
         return new_mod
