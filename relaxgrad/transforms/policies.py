@@ -1,0 +1,763 @@
+"""Checkpoint policies: which forward values the backward pass keeps, as pure functions.
+
+A policy sees a function as plain data, a :class:`Program` (a list of :class:`Node`), and returns
+the indices of the nodes it *saves*: saved values are kept from the forward pass for the
+backward pass, every other value the backward pass needs is recomputed from saved ones (TVM's
+``Regenerator`` semantics: each non-saved binding is recomputed once). Parameters and constants
+are always available; outputs are materialized anyway, so neither counts as memory or
+recomputation.
+
+=================  ==========================================================================
+policy             saves
+=================  ==========================================================================
+``markers``        TVM's rule for ``R.grad.start_checkpoint`` / ``end_checkpoint`` markers
+``none``           everything (no checkpointing)
+``sqrt``           segment boundaries about every sqrt(n) nodes (Chen et al., 2016)
+``save_dots``      matmul / conv / einsum outputs; cheap ops are recomputed (JAX)
+``save_names``     exactly the named nodes (JAX's ``save_only_these_names``)
+``budget``         the least recompute cost whose saved bytes fit a byte budget (knapsack)
+=================  ==========================================================================
+
+:func:`resolve` maps the ``checkpoint=`` option of :func:`relaxgrad.Gradient` to a policy;
+:func:`recompute_cost`, :func:`saved_bytes` and :func:`peak_bytes` measure a save set;
+:func:`program_from_function` builds a :class:`Program` from a Relax function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .. import _ty
+from ..errors import GradientError
+
+__all__ = [
+    "Node",
+    "Policy",
+    "Program",
+    "budget",
+    "greedy_knapsack",
+    "knapsack",
+    "markers",
+    "none",
+    "peak_bytes",
+    "program_from_function",
+    "recompute_cost",
+    "resolve",
+    "save_dots",
+    "save_names",
+    "saved_bytes",
+    "sqrt",
+]
+
+#: ops whose value is another value (or a group of values): they cost nothing and hold no bytes
+ALIAS_OPS = frozenset({"tuple", "get_item", "var"})
+#: ops whose value is always available to the backward pass
+FREE_OPS = frozenset({"param", "const"})
+#: ops ``save_dots`` keeps (plus every ``relax.nn.conv*``)
+DOT_OPS = frozenset({"relax.matmul", "relax.einsum", "relax.linear"})
+
+
+@dataclass(frozen=True)
+class Node:
+    """One value of a function: a parameter or a binding.
+
+    ``op`` is ``"param"``, a Relax op name (``"relax.matmul"``), ``"tuple"``, ``"get_item"``,
+    ``"var"`` (an alias), ``"const"`` or ``"call:<global func name>"``; ``inputs`` are indices of
+    earlier nodes; ``nbytes`` is 0 when unknown (and for aliases); ``cost`` estimates the
+    recomputation (flops; 0 for aliases, constants and parameters).
+    """
+
+    name: str
+    op: str
+    inputs: tuple[int, ...]
+    nbytes: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class Program:
+    """A function as plain data: parameters first, then bindings in order.
+
+    ``outputs`` are the returned values (always materialized), ``start_marked`` the nodes
+    wrapped by ``R.grad.start_checkpoint``, ``end_marked`` the results of
+    ``R.grad.end_checkpoint``. A marker binding ``y = marker(x)`` is a ``"var"`` alias node
+    ``y`` reading ``x`` (with aliases of markers resolved, as TVM remaps them): for
+    ``start_checkpoint`` ``x`` is start-marked, for ``end_checkpoint`` ``y`` is end-marked.
+    """
+
+    nodes: tuple[Node, ...]
+    outputs: frozenset[int] = frozenset()
+    start_marked: frozenset[int] = frozenset()
+    end_marked: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        for i, node in enumerate(self.nodes):
+            if any(not 0 <= j < i for j in node.inputs):
+                raise GradientError(
+                    f"Program: node {i} ({node.name} = {node.op}) reads {list(node.inputs)}; "
+                    "a node may only read earlier nodes"
+                )
+
+    def index(self, name: str) -> int:
+        """The index of the node named ``name`` (the last one when several share it)."""
+        for i in range(len(self.nodes) - 1, -1, -1):
+            if self.nodes[i].name == name:
+                return i
+        raise GradientError(f"Program: no node named {name!r}")
+
+
+Policy = Callable[[Program], frozenset]
+
+
+# ----------------------------------------------------------------------------------------------
+# measuring a save set
+
+
+def _is_free(program: Program, i: int) -> bool:
+    return program.nodes[i].op in FREE_OPS
+
+
+def _counts(program: Program, i: int) -> bool:
+    """Whether node ``i`` is an intermediate whose keeping or recomputing matters."""
+    return not _is_free(program, i) and i not in program.outputs
+
+
+def recompute_cost(program: Program, saved: Iterable[int]) -> float:
+    """Total cost of the bindings recomputed for the backward pass when ``saved`` are kept.
+
+    Every non-saved intermediate (not a parameter, constant or output) is counted once, as
+    TVM's ``Regenerator`` recomputes each of them once; dead-code elimination may later drop
+    some, so this is an upper bound.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+    saved : Iterable[int]
+        Indices of the saved nodes.
+
+    Returns
+    -------
+    float
+        The sum of ``cost`` over recomputed nodes.
+    """
+    saved = set(saved)
+    return float(sum(n.cost for i, n in enumerate(program.nodes)
+                     if i not in saved and _counts(program, i)))
+
+
+def saved_bytes(program: Program, saved: Iterable[int]) -> int:
+    """Bytes kept from the forward pass: ``nbytes`` of saved intermediates.
+
+    Parameters, constants and outputs are not counted (they exist anyway).
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+    saved : Iterable[int]
+        Indices of the saved nodes.
+
+    Returns
+    -------
+    int
+        The sum of ``nbytes`` over saved intermediates.
+    """
+    return sum(program.nodes[i].nbytes for i in set(saved) if _counts(program, i))
+
+
+def peak_bytes(program: Program, saved: Iterable[int]) -> int:
+    """Estimated peak of forward values live in the backward pass: kept plus recomputed.
+
+    ``saved_bytes`` plus the bytes of the largest recomputation segment, a connected group of
+    non-saved intermediates: recomputing one value of a segment recomputes its non-saved
+    ancestors, and they stay live until the backward pass has used them (Chen et al.'s
+    ``saved + max segment`` model).
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+    saved : Iterable[int]
+        Indices of the saved nodes.
+
+    Returns
+    -------
+    int
+        The estimate in bytes.
+    """
+    saved = set(saved)
+    parent = list(range(len(program.nodes)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    recomputed = [i not in saved and _counts(program, i) for i in range(len(program.nodes))]
+    for i, node in enumerate(program.nodes):
+        if recomputed[i]:
+            for j in node.inputs:
+                if recomputed[j]:
+                    parent[find(j)] = find(i)
+    segments: dict[int, int] = {}
+    for i, node in enumerate(program.nodes):
+        if recomputed[i]:
+            root = find(i)
+            segments[root] = segments.get(root, 0) + node.nbytes
+    return saved_bytes(program, saved) + max(segments.values(), default=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# policies
+
+
+def _finish(program: Program, saved: Iterable[int]) -> frozenset:
+    """``saved`` plus parameters and constants; an alias is saved iff all its inputs are.
+
+    Keeping a tuple keeps its fields alive, so an alias of a non-saved value is not saved.
+    """
+    saved = set(saved)
+    for i, node in enumerate(program.nodes):
+        if node.op in FREE_OPS:
+            saved.add(i)
+        elif node.op in ALIAS_OPS:
+            if all(j in saved for j in node.inputs):
+                saved.add(i)
+            else:
+                saved.discard(i)
+    return frozenset(saved)
+
+
+def markers(program: Program) -> frozenset:
+    """TVM's rule: what ``R.grad.start_checkpoint`` / ``end_checkpoint`` markers keep.
+
+    Parameters are saved, start-marked nodes are saved, and any other node is saved iff each
+    of its inputs is saved or end-marked. Without any marker everything is saved. As in TVM,
+    the marker var ``y`` of ``y = start_checkpoint(x)`` is not saved though ``x`` is: it is a
+    ``"var"`` alias of a start-marked node, and what is computed from it is recomputed.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+
+    Returns
+    -------
+    frozenset[int]
+        Indices of the saved nodes.
+    """
+    if not program.start_marked and not program.end_marked:
+        return frozenset(range(len(program.nodes)))
+    saved: set[int] = set()
+    for i, node in enumerate(program.nodes):
+        if node.op == "var" and node.inputs[0] in program.start_marked:
+            continue  # ``y = start_checkpoint(x)``: computing from y starts a segment
+        if (node.op == "param" or i in program.start_marked
+                or all(j in saved or j in program.end_marked for j in node.inputs)):
+            saved.add(i)
+    return frozenset(saved)
+
+
+def none(program: Program) -> frozenset:
+    """No checkpointing: every node is saved.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+
+    Returns
+    -------
+    frozenset[int]
+        All indices.
+    """
+    return frozenset(range(len(program.nodes)))
+
+
+def sqrt(program: Program) -> frozenset:
+    """Chen et al. (2016): save segment boundaries about every sqrt(n) nodes.
+
+    Walks the nodes in topological order, adding up the bytes of the intermediates (counting 1
+    per node when no size is known); once a segment holds ``total / sqrt(n)`` bytes, the next
+    *cut point* (a node such that no earlier non-free value is used after it, e.g. a layer
+    output or a residual-stream add) is saved and a new segment starts. Outputs also end a
+    segment. Where no cut point comes before a segment grows to twice its size, the node at
+    hand is saved anyway. The backward pass then keeps about sqrt(n) boundaries and recomputes
+    one segment at a time: memory O(sqrt(n)) for about one extra forward pass.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+
+    Returns
+    -------
+    frozenset[int]
+        Indices of the saved nodes (with parameters and constants).
+    """
+    nodes = program.nodes
+    costly = [_counts(program, i) and nodes[i].op not in ALIAS_OPS for i in range(len(nodes))]
+    sized = any(nodes[i].nbytes for i in range(len(nodes)) if costly[i])
+    weight = [(nodes[i].nbytes if sized else 1) if costly[i] else 0 for i in range(len(nodes))]
+    count = sum(costly)
+    if count == 0:
+        return _finish(program, ())
+    segment = sum(weight) / math.sqrt(count)
+    last_use = list(range(len(nodes)))
+    for i, node in enumerate(nodes):
+        for j in node.inputs:
+            last_use[j] = i
+    saved: set[int] = set()
+    reach = -1  # the last use of any non-free value defined so far
+    filled = 0
+    for i, node in enumerate(nodes):
+        filled += weight[i]
+        is_cut = reach <= i
+        if i in program.outputs and is_cut:
+            filled = 0
+        elif costly[i] and filled >= (segment if is_cut else 2 * segment):
+            saved.add(i)
+            filled = 0
+        if not _is_free(program, i):
+            reach = max(reach, last_use[i])
+    return _finish(program, saved)
+
+
+def _is_dot(op: str) -> bool:
+    return op in DOT_OPS or op.startswith("relax.nn.conv")
+
+
+def save_dots(program: Program) -> frozenset:
+    """Save the outputs of matmul, conv* and einsum; recompute the cheap ops between them.
+
+    Like JAX's ``dots_saveable``.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+
+    Returns
+    -------
+    frozenset[int]
+        Indices of the saved nodes (with parameters and constants).
+    """
+    return _finish(program, (i for i, n in enumerate(program.nodes) if _is_dot(n.op)))
+
+
+def save_names(names: Iterable[str]) -> Policy:
+    """A policy that saves exactly the nodes named ``names`` (and parameters).
+
+    Like JAX's ``save_only_these_names``. The policy raises :class:`GradientError` when a
+    name is not a node of the program.
+
+    Parameters
+    ----------
+    names : Iterable[str]
+        Var names.
+
+    Returns
+    -------
+    Policy
+        The policy.
+    """
+    names = tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise GradientError(f"Gradient: checkpoint names must be strings, got {names!r}")
+
+    def policy(program: Program) -> frozenset:
+        index = {node.name: i for i, node in enumerate(program.nodes)}
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise GradientError(f"Gradient: checkpoint names {', '.join(unknown)} are not vars "
+                                "of the function")
+        return _finish(program, (index[n] for n in names))
+
+    policy.__name__ = policy.__qualname__ = f"save_names({list(names)!r})"
+    return policy
+
+
+def budget(nbytes: int) -> Policy:
+    """A policy that saves what minimizes recomputation while keeping at most ``nbytes``.
+
+    The memory counted is :func:`saved_bytes` (the kept intermediates), not the recomputation
+    working set (see :func:`peak_bytes`); each non-saved intermediate costs its ``cost`` once
+    (:func:`recompute_cost`). That makes the choice a 0/1 knapsack, solved by :func:`knapsack`:
+    exactly when its dynamic program is small enough, otherwise greedily with a recompute cost
+    at most the optimum plus the largest single node cost.
+
+    Parameters
+    ----------
+    nbytes : int
+        The byte budget (>= 0).
+
+    Returns
+    -------
+    Policy
+        The policy.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise GradientError(f"Gradient: a checkpoint budget must be a byte count >= 0, "
+                            f"got {nbytes!r}")
+    capacity = int(nbytes)
+
+    def policy(program: Program) -> frozenset:
+        items = [i for i, n in enumerate(program.nodes)
+                 if _counts(program, i) and n.op not in ALIAS_OPS and n.cost > 0]
+        free = [i for i in items if program.nodes[i].nbytes == 0]
+        paid = [i for i in items if program.nodes[i].nbytes > 0]
+        chosen, _ = knapsack([program.nodes[i].nbytes for i in paid],
+                             [program.nodes[i].cost for i in paid], capacity)
+        return _finish(program, free + [paid[k] for k in chosen])
+
+    policy.__name__ = policy.__qualname__ = f"budget({capacity})"
+    return policy
+
+
+# ----------------------------------------------------------------------------------------------
+# the knapsack solvers behind ``budget``: pure functions over plain lists
+
+#: the largest dynamic program (items x capacity cells) :func:`knapsack` solves exactly
+MAX_DP_CELLS = 20_000_000
+
+
+def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
+             max_cells: int = MAX_DP_CELLS) -> tuple[list[int], bool]:
+    """Items of greatest total value whose total size fits ``capacity`` (0/1 knapsack).
+
+    Exact by dynamic programming over the capacity in units of the sizes' gcd, with items of
+    equal size grouped (the most valuable of a size come first), when ``len(sizes)`` times the
+    capacity in units is at most ``max_cells``; otherwise :func:`greedy_knapsack`.
+
+    Parameters
+    ----------
+    sizes : Sequence[int]
+        Item sizes (> 0).
+    values : Sequence[float]
+        Item values (>= 0).
+    capacity : int
+        The size limit.
+    max_cells : int
+        The largest dynamic program solved exactly.
+
+    Returns
+    -------
+    tuple[list[int], bool]
+        The chosen item indices, and whether the choice is optimal.
+    """
+    n = len(sizes)
+    if sum(sizes) <= capacity:
+        return list(range(n)), True
+    gcd = math.gcd(*sizes) if n else 1
+    cap = capacity // gcd
+    if n * (cap + 1) > max_cells:
+        return greedy_knapsack(sizes, values, capacity), False
+    groups: dict[int, list[int]] = {}
+    for i in _by_value(sizes, values, lambda i: -values[i]):
+        groups.setdefault(sizes[i] // gcd, []).append(i)
+    best = np.zeros(cap + 1)
+    steps = []
+    for unit, members in groups.items():
+        prefix = np.concatenate([[0.0], np.cumsum([values[i] for i in members])])
+        new, take = best.copy(), np.zeros(cap + 1, dtype=np.int64)
+        for k in range(1, min(len(members), cap // unit) + 1):
+            cand = np.full(cap + 1, -np.inf)
+            cand[k * unit:] = best[:cap + 1 - k * unit] + prefix[k]
+            better = cand > new
+            new[better], take[better] = cand[better], k
+        steps.append((unit, members, take))
+        best = new
+    chosen, c = [], cap
+    for unit, members, take in reversed(steps):
+        k = int(take[c])
+        chosen += members[:k]
+        c -= k * unit
+    return sorted(chosen), True
+
+
+def _bit_reversed(rank: int, bits: int) -> int:
+    return int(format(rank, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+def _by_value(sizes: Sequence[int], values: Sequence[float], key: Callable) -> list[int]:
+    """Item indices sorted by ``key``; equal items (same size and value) in bit-reversed order.
+
+    Any prefix of a bit-reversed order is spread evenly over the items, so when only some of
+    many equal items fit (the same layer repeated), the chosen ones split the program into
+    segments of similar length rather than saving its first layers.
+    """
+    classes: dict[tuple, list[int]] = {}
+    for i in range(len(sizes)):
+        classes.setdefault((sizes[i], values[i]), []).append(i)
+    spread = {}
+    for members in classes.values():
+        bits = (len(members) - 1).bit_length()
+        for rank, i in enumerate(members):
+            spread[i] = _bit_reversed(rank, bits)
+    return sorted(range(len(sizes)), key=lambda i: (key(i), spread[i]))
+
+
+def greedy_knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int) -> list[int]:
+    """Items by decreasing value per size, each taken when it still fits.
+
+    Its total value is at least the optimum minus the largest single value (it holds every
+    item the fractional relaxation takes whole), so the recompute cost it leaves is at most the
+    optimum plus the largest single cost.
+
+    Parameters
+    ----------
+    sizes : Sequence[int]
+        Item sizes (> 0).
+    values : Sequence[float]
+        Item values (>= 0).
+    capacity : int
+        The size limit.
+
+    Returns
+    -------
+    list[int]
+        The chosen item indices.
+    """
+    chosen, room = [], capacity
+    for i in _by_value(sizes, values, lambda i: -values[i] / sizes[i]):
+        if sizes[i] <= room:
+            chosen.append(i)
+            room -= sizes[i]
+    return sorted(chosen)
+
+
+# ----------------------------------------------------------------------------------------------
+# the ``checkpoint=`` option
+
+_NAMED: dict[str, Policy] = {"markers": markers, "none": none, "sqrt": sqrt,
+                             "save_dots": save_dots}
+
+
+def _checked(policy: Callable) -> Policy:
+    """``policy`` with its result checked: a set of node indices."""
+
+    def run(program: Program) -> frozenset:
+        saved = policy(program)
+        try:
+            saved = frozenset(saved)
+        except TypeError:
+            raise GradientError(f"Gradient: checkpoint policy {policy!r} returned {saved!r}, "
+                                "not a set of node indices") from None
+        n = len(program.nodes)
+        bad = [i for i in saved if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+               or not 0 <= i < n]
+        if bad:
+            raise GradientError(f"Gradient: checkpoint policy {policy!r} returned {bad[:5]!r}, "
+                                f"not node indices in [0, {n})")
+        return saved
+
+    run.__name__ = run.__qualname__ = getattr(policy, "__name__", repr(policy))
+    return run
+
+
+def resolve(checkpoint) -> Policy:
+    """The policy for the ``checkpoint=`` option of :func:`relaxgrad.Gradient`.
+
+    Parameters
+    ----------
+    checkpoint : None, str, dict, list of str, int or callable
+        ``None`` or ``"markers"`` (TVM's markers), ``"none"``, ``"sqrt"``, ``"save_dots"``;
+        ``{"save": [names]}`` or a list of names (:func:`save_names`); an int, a byte budget
+        (:func:`budget`); or a callable ``Program -> set of saved indices`` (its result is
+        checked).
+
+    Returns
+    -------
+    Policy
+        The policy.
+
+    Raises
+    ------
+    GradientError
+        On any other value.
+    """
+    if checkpoint is None:
+        return markers
+    if isinstance(checkpoint, str):
+        if checkpoint in _NAMED:
+            return _NAMED[checkpoint]
+        raise GradientError(f"Gradient: unknown checkpoint policy {checkpoint!r}; the named "
+                            f"policies are {', '.join(map(repr, _NAMED))}")
+    if isinstance(checkpoint, dict):
+        if set(checkpoint) != {"save"} or isinstance(checkpoint["save"], str):
+            raise GradientError(f"Gradient: checkpoint={checkpoint!r}: a dict checkpoint is "
+                                "{'save': [var names]}")
+        return save_names(checkpoint["save"])
+    if isinstance(checkpoint, (list, tuple)):
+        return save_names(checkpoint)
+    if isinstance(checkpoint, (int, np.integer)) and not isinstance(checkpoint, bool):
+        return budget(checkpoint)
+    if callable(checkpoint):
+        return _checked(checkpoint)
+    raise GradientError(
+        f"Gradient: checkpoint={checkpoint!r} is not a checkpoint policy; use "
+        f"{', '.join(map(repr, _NAMED))}, {{'save': [names]}}, a byte budget (int) or a "
+        "callable Program -> frozenset of saved node indices"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Relax function -> Program
+
+
+def _tensor_types(ty) -> list:
+    if _ty.is_tuple(ty):
+        return [t for f in _ty.tuple_fields(ty) for t in _tensor_types(f)]
+    return [ty] if _ty.is_tensor(ty) else []
+
+
+def _elements(ty) -> int | None:
+    try:
+        return int(np.prod(_ty.static_shape(ty), dtype=np.int64))
+    except (TypeError, AttributeError):
+        return None
+
+
+def _nbytes(ty) -> int:
+    """Bytes of a (tuple of) tensor type(s); 0 when any shape is unknown."""
+    total = 0
+    for t in _tensor_types(ty):
+        elements = _elements(t)
+        if elements is None or _ty.shape_of(t) is None:
+            return 0
+        dtype = tvm.DataType(_ty.dtype_of(t))
+        total += elements * ((dtype.bits * dtype.lanes + 7) // 8)
+    return total
+
+
+def _cost(op: str, value, ty) -> float:
+    """Flops-like recompute cost by op kind: 2*M*N*K for matmul, one per element otherwise."""
+    outs = [_elements(t) for t in _tensor_types(ty)]
+    out = sum(e for e in outs if e is not None) or 1
+    args = list(value.args) if isinstance(value, relax.Call) else []
+    try:
+        if op == "relax.matmul":
+            return 2.0 * out * _ty.static_shape(args[0])[-1]
+        if op.startswith("relax.nn.conv"):
+            return 2.0 * out * int(np.prod(_ty.static_shape(args[1])[1:]))
+        if op == "relax.einsum":
+            sizes = [_elements(t) or 1 for t in _tensor_types(args[0])]
+            return 2.0 * max([out, *sizes])
+        if args and op.startswith(("relax.sum", "relax.mean", "relax.max", "relax.min",
+                                   "relax.prod", "relax.variance", "relax.std")):
+            return float(_elements(args[0]) or out)
+    except (TypeError, AttributeError, IndexError):
+        pass
+    return float(out)
+
+
+def _reads(expr, index: dict, where: str) -> list[int]:
+    """Indices of the vars ``expr`` reads; raises on expression kinds it cannot see into."""
+    if isinstance(expr, relax.Var):
+        key = _ty.key(expr)
+        if key not in index:
+            raise GradientError(f"{where}: {expr.name} is used before it is defined")
+        return [index[key]]
+    if isinstance(expr, relax.Call):
+        return [j for a in expr.args for j in _reads(a, index, where)]
+    if isinstance(expr, relax.Tuple):
+        return [j for f in expr.fields for j in _reads(f, index, where)]
+    if isinstance(expr, relax.TupleGetItem):
+        return _reads(expr.tuple_value, index, where)
+    if isinstance(expr, (relax.Function, relax.If, relax.SeqExpr)):
+        raise GradientError(f"{where}: cannot read a {type(expr).__name__} ({str(expr)[:60]})")
+    return []  # constants, shapes, prim values, strings, global vars, ops
+
+
+def _op_name(value) -> str:
+    if isinstance(value, relax.Call):
+        if isinstance(value.op, tvm.ir.Op):
+            return str(value.op.name)
+        if isinstance(value.op, tvm.ir.GlobalVar):
+            return "call:" + str(value.op.name_hint)
+        return "call:" + str(getattr(value.op, "global_symbol", value.op))
+    if isinstance(value, relax.Tuple):
+        return "tuple"
+    if isinstance(value, relax.TupleGetItem):
+        return "get_item"
+    if isinstance(value, relax.Var):
+        return "var"
+    return "const"
+
+
+def _returned(expr) -> list:
+    if isinstance(expr, relax.Var):
+        return [expr]
+    if isinstance(expr, relax.Tuple):
+        return [v for f in expr.fields for v in _returned(f)]
+    return []
+
+
+def program_from_function(func: relax.Function, name: str = "function") -> Program:
+    """The :class:`Program` of a Relax function whose body is dataflow bindings.
+
+    A marker binding ``y = R.grad.start_checkpoint(x)`` makes ``x`` start-marked and ``y`` an
+    alias (``"var"``) of ``x``; ``y = R.grad.end_checkpoint(x)`` makes ``y`` an end-marked
+    alias. ``nbytes`` comes from static shapes and dtypes (tuple-valued calls: the sum of the
+    fields; aliases: 0), ``cost`` from the op kind. Outputs are non-dataflow vars and the vars
+    the function returns.
+
+    Parameters
+    ----------
+    func : relax.Function
+        The function (its body a SeqExpr of binding blocks).
+    name : str
+        The function's name, for messages.
+
+    Returns
+    -------
+    Program
+        The function as plain data.
+    """
+    where = f"program_from_function({name})"
+    if not isinstance(func.body, relax.SeqExpr):
+        raise GradientError(f"{where}: the body must be a sequence of binding blocks")
+    start_op = tvm.ir.Op.get("relax.grad.start_checkpoint")
+    end_op = tvm.ir.Op.get("relax.grad.end_checkpoint")
+    nodes: list[Node] = []
+    index: dict[int, int] = {}
+    outputs, start, end = set(), set(), set()
+    marked_as: dict[int, int] = {}  # marker alias -> the value it wraps
+    for p in func.params:
+        index[_ty.key(p)] = len(nodes)
+        nodes.append(Node(p.name, "param", (), _nbytes(p.ty), 0.0))
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                raise GradientError(f"{where}: {binding.var.name} is a MatchCast; only var "
+                                    "bindings are supported")
+            var, value = binding.var, binding.value
+            inputs = tuple(dict.fromkeys(_reads(value, index, f"{where}, {var.name}")))
+            op = _op_name(value)
+            if isinstance(value, relax.Call) and (value.op.same_as(start_op)
+                                                  or value.op.same_as(end_op)):
+                if not isinstance(value.args[0], relax.Var):
+                    raise GradientError(f"{where}: the argument of {op} bound to {var.name} "
+                                        "must be a Var")
+                inputs = (marked_as.get(inputs[0], inputs[0]),)  # TVM remaps marker vars
+                marked_as[len(nodes)] = inputs[0]
+                (start if value.op.same_as(start_op) else end).add(
+                    inputs[0] if value.op.same_as(start_op) else len(nodes))
+                op = "var"
+            alias = op in ALIAS_OPS
+            nbytes = 0 if alias else _nbytes(var.ty)
+            cost = 0.0 if alias or op == "const" else _cost(op, value, var.ty)
+            index[_ty.key(var)] = len(nodes)
+            if not isinstance(var, relax.DataflowVar):
+                outputs.add(len(nodes))
+            nodes.append(Node(var.name, op, inputs, nbytes, cost))
+    outputs.update(index[_ty.key(v)] for v in _returned(func.body.body) if _ty.key(v) in index)
+    return Program(tuple(nodes), frozenset(outputs), frozenset(start), frozenset(end))

@@ -1,0 +1,272 @@
+"""Checkpoint policies: exact save sets on small programs, the budget solver against an oracle."""
+
+import itertools
+import random
+import time
+
+import pytest
+
+import relaxgrad
+from relaxgrad import GradientError
+from relaxgrad.transforms import policies as P
+from relaxgrad.transforms.policies import Node, Program
+
+from .test_checkpoint import mlp
+
+
+def program(*nodes, outputs=(), start=(), end=()) -> Program:
+    """A Program from ``(name, op, inputs, nbytes, cost)`` tuples; outputs etc. by name."""
+    nodes = tuple(Node(*n) for n in nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    return Program(nodes, *(frozenset(index[name] for name in names)
+                            for names in (outputs, start, end)))
+
+
+def names(prog: Program, saved) -> set:
+    return {prog.nodes[i].name for i in saved}
+
+
+# x, w -> a = x @ w -> b = tanh(a) -> c = b @ w -> d = tanh(c) -> t = (b, d) -> g = t[1] -> loss
+TWO_LAYERS = program(
+    ("x", "param", (), 8, 0.0),
+    ("w", "param", (), 8, 0.0),
+    ("a", "relax.matmul", (0, 1), 8, 100.0),
+    ("b", "relax.tanh", (2,), 8, 4.0),
+    ("c", "relax.matmul", (3, 1), 8, 100.0),
+    ("d", "relax.tanh", (4,), 8, 4.0),
+    ("t", "tuple", (3, 5), 0, 0.0),
+    ("g", "get_item", (6,), 0, 0.0),
+    ("loss", "relax.sum", (7,), 4, 4.0),
+    outputs=["loss"],
+)
+
+# x, w -> s = start_checkpoint(x) -> a = s @ w -> b = tanh(a) -> e = end_checkpoint(b)
+#   -> c = e @ w -> loss = sum(c)
+MARKED = program(
+    ("x", "param", (), 8, 0.0),
+    ("w", "param", (), 8, 0.0),
+    ("s", "var", (0,), 0, 0.0),
+    ("a", "relax.matmul", (2, 1), 8, 100.0),
+    ("b", "relax.tanh", (3,), 8, 4.0),
+    ("e", "var", (4,), 0, 0.0),
+    ("c", "relax.matmul", (5, 1), 8, 100.0),
+    ("loss", "relax.sum", (6,), 4, 4.0),
+    outputs=["loss"], start=["x"], end=["e"],
+)
+
+
+def chain(length: int, nbytes: int = 4) -> Program:
+    """x -> n1 = tanh(x) -> ... -> n<length> -> loss = sum."""
+    nodes = [("x", "param", (), nbytes, 0.0)]
+    nodes += [(f"n{i}", "relax.tanh", (i - 1,), nbytes, 1.0) for i in range(1, length + 1)]
+    nodes.append(("loss", "relax.sum", (length,), 4, 1.0))
+    return program(*nodes, outputs=["loss"])
+
+
+def test_none_saves_everything():
+    assert P.none(TWO_LAYERS) == frozenset(range(len(TWO_LAYERS.nodes)))
+
+
+def test_markers_without_markers_save_everything():
+    assert P.markers(TWO_LAYERS) == frozenset(range(len(TWO_LAYERS.nodes)))
+
+
+def test_markers_keep_segment_boundaries():
+    # s starts a segment (not saved, though x is); c reads the end-marked e: saved
+    assert names(MARKED, P.markers(MARKED)) == {"x", "w", "c", "loss"}
+
+
+def test_markers_agree_with_the_pass():
+    """The values the pass regenerates (``_cp``) are those ``markers`` does not save."""
+    func = mlp(True)["main"]
+    adjoint = relaxgrad.Gradient("main")(mlp(True))["main_adjoint"]
+    regenerated = {b.var.name[:-3] for block in adjoint.body.blocks for b in block.bindings
+                   if b.var.name.endswith("_cp")}
+    prog = P.program_from_function(func)
+    saved = P.markers(prog)
+    recomputed = {n.name for i, n in enumerate(prog.nodes)
+                  if i not in saved and i not in prog.outputs and n.op not in P.ALIAS_OPS}
+    assert regenerated == recomputed
+
+
+def test_save_dots_keeps_matmuls_and_drops_aliases_of_recomputed_values():
+    assert names(TWO_LAYERS, P.save_dots(TWO_LAYERS)) == {"x", "w", "a", "c"}
+
+
+def test_save_names_saves_exactly_those_and_aliases_of_them():
+    policy = P.save_names(["b", "d", "t"])
+    assert names(TWO_LAYERS, policy(TWO_LAYERS)) == {"x", "w", "b", "d", "t", "g"}
+    # a tuple of a recomputed value is not kept: it would keep that value alive
+    assert names(TWO_LAYERS, P.save_names(["t"])(TWO_LAYERS)) == {"x", "w"}
+
+
+def test_save_names_reports_unknown_names():
+    with pytest.raises(GradientError, match="nope"):
+        P.save_names(["b", "nope"])(TWO_LAYERS)
+
+
+def test_sqrt_saves_every_sqrt_n_th_node_of_a_chain():
+    prog = chain(16)
+    assert names(prog, P.sqrt(prog)) == {"x", "n4", "n8", "n12", "n16"}
+
+
+def test_sqrt_saves_only_cut_points_of_residual_blocks():
+    # h_{i+1} = h_i + tanh(tanh(h_i)): inside a block, h_i is live, so only the h_i are cuts
+    nodes = [("x", "param", (), 4, 0.0), ("h0", "relax.tanh", (0,), 4, 1.0)]
+    for i in range(9):
+        h = len(nodes) - 1
+        nodes += [(f"a{i}", "relax.tanh", (h,), 4, 1.0),
+                  (f"b{i}", "relax.tanh", (h + 1,), 4, 1.0),
+                  (f"h{i + 1}", "relax.add", (h, h + 2), 4, 1.0)]
+    nodes.append(("loss", "relax.sum", (len(nodes) - 1,), 4, 1.0))
+    prog = program(*nodes, outputs=["loss"])
+    saved = names(prog, P.sqrt(prog)) - {"x"}
+    # 28 nodes: segments of 28 / sqrt(28) ~ 5.3 nodes, rounded up to the next block boundary
+    assert saved == {"h2", "h4", "h6", "h8"}
+
+
+def test_sqrt_on_a_deep_mlp_meets_the_memory_and_time_targets():
+    """256 layers of matmul, add, tanh: < 0.15 of the memory for about one extra forward pass."""
+    nodes = [("x", "param", (), 4 << 16, 0.0)]
+    for i in range(256):
+        h = len(nodes) - 1
+        nodes += [(f"w{i}", "param", (), 4 << 16, 0.0), (f"b{i}", "param", (), 1024, 0.0),
+                  (f"mm{i}", "relax.matmul", (h, h + 1), 4 << 16, 2.0 * 256**3),
+                  (f"add{i}", "relax.add", (h + 3, h + 2), 4 << 16, 256.0**2),
+                  (f"tanh{i}", "relax.tanh", (h + 4,), 4 << 16, 256.0**2)]
+    nodes.append(("loss", "relax.sum", (len(nodes) - 1,), 4, 256.0**2))
+    prog = program(*nodes, outputs=["loss"])
+    saved, everything = P.sqrt(prog), P.none(prog)
+    assert P.peak_bytes(prog, saved) <= 0.15 * P.peak_bytes(prog, everything)
+    forward = P.recompute_cost(prog, ())
+    # forward + backward (~2 forwards) + recomputation, against forward + backward
+    assert (3 * forward + P.recompute_cost(prog, saved)) / (3 * forward) <= 1.35
+
+
+def test_budget_keeps_the_costliest_values_per_byte():
+    assert names(TWO_LAYERS, P.budget(16)(TWO_LAYERS)) == {"x", "w", "a", "c"}
+    assert names(TWO_LAYERS, P.budget(8)(TWO_LAYERS)) == {"x", "w", "a"}
+    assert names(TWO_LAYERS, P.budget(0)(TWO_LAYERS)) == {"x", "w"}
+    assert P.budget(10**6)(TWO_LAYERS) == P.none(TWO_LAYERS) - {8}  # the output is not needed
+
+
+def test_budget_spreads_equal_layers_over_the_program():
+    prog = chain(64)
+    saved = sorted(P.budget(4 * 8)(prog) - {0})
+    gaps = [b - a for a, b in zip([0, *saved], saved)]
+    assert len(saved) == 8 and max(gaps) <= 16
+
+
+def test_measures():
+    a, b, c, d = (TWO_LAYERS.index(n) for n in "abcd")
+    assert P.recompute_cost(TWO_LAYERS, {0, 1, a, c}) == 8.0
+    assert P.saved_bytes(TWO_LAYERS, {0, 1, a, c}) == 16
+    assert P.peak_bytes(TWO_LAYERS, {0, 1, a, b, c}) == 24 + 8  # d is recomputed
+    assert P.peak_bytes(TWO_LAYERS, {0, 1, a, c}) == 16 + 16  # the tuple joins b and d
+    assert P.peak_bytes(TWO_LAYERS, {0, 1}) == 32  # a..d: one segment
+    prog = chain(16)
+    assert P.peak_bytes(prog, P.sqrt(prog)) == 4 * 4 + 3 * 4  # 4 boundaries, 3 per segment
+
+
+def random_program(rng: random.Random, n: int) -> Program:
+    nodes = [("p0", "param", (), 4, 0.0), ("p1", "param", (), 4, 0.0)]
+    for i in range(n):
+        k = len(nodes)
+        inputs = tuple(sorted(rng.sample(range(k), min(k, rng.randint(1, 2)))))
+        nodes.append((f"v{i}", rng.choice(["relax.matmul", "relax.add"]), inputs,
+                      rng.choice([0, 4, 8, 12, 20]), float(rng.randint(0, 50))))
+    return program(*nodes, outputs=[f"v{n - 1}"])
+
+
+def oracle(prog: Program, capacity: int) -> float:
+    """The least recompute cost over all save sets within ``capacity`` saved bytes."""
+    inner = [i for i in range(len(prog.nodes)) if P._counts(prog, i)]
+    return min(P.recompute_cost(prog, s) for r in range(len(inner) + 1)
+               for s in itertools.combinations(inner, r) if P.saved_bytes(prog, s) <= capacity)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_budget_is_optimal_against_brute_force(seed):
+    rng = random.Random(seed)
+    prog = random_program(rng, rng.randint(1, 10))
+    capacity = rng.randint(0, 40)
+    saved = P.budget(capacity)(prog)
+    assert P.saved_bytes(prog, saved) <= capacity
+    assert P.recompute_cost(prog, saved) == oracle(prog, capacity)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_knapsack_gap_is_at_most_one_item(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    sizes = [rng.randint(1, 30) for _ in range(n)]
+    values = [float(rng.randint(0, 100)) for _ in range(n)]
+    capacity = rng.randint(0, 100)
+    best = max(sum(values[i] for i in s) for r in range(n + 1)
+               for s in itertools.combinations(range(n), r)
+               if sum(sizes[i] for i in s) <= capacity)
+    chosen, optimal = P.knapsack(sizes, values, capacity)
+    assert optimal and sum(values[i] for i in chosen) == best
+    chosen, optimal = P.knapsack(sizes, values, capacity, max_cells=0)
+    assert not optimal or sum(sizes) <= capacity
+    assert sum(sizes[i] for i in chosen) <= capacity
+    assert sum(values[i] for i in chosen) >= best - max(values)
+
+
+def test_policies_scale_to_10000_nodes():
+    rng = random.Random(0)
+    prog = chain(10_000)
+    varied = Program(tuple(Node(n.name, n.op, n.inputs, n.nbytes + rng.randrange(100), n.cost)
+                           for n in prog.nodes), prog.outputs)
+    start = time.perf_counter()
+    for policy in (P.markers, P.none, P.sqrt, P.save_dots, P.budget(4 * 1000)):
+        policy(prog)
+    P.budget(40 * 1000)(varied)  # sizes without a common unit: the greedy solver
+    P.peak_bytes(prog, P.sqrt(prog))
+    assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, P.markers), ("markers", P.markers), ("none", P.none), ("sqrt", P.sqrt),
+    ("save_dots", P.save_dots),
+])
+def test_resolve_named_policies(value, expected):
+    assert P.resolve(value) is expected
+
+
+def test_resolve_names_budgets_and_callables():
+    expected = {"x", "w", "b"}
+    assert names(TWO_LAYERS, P.resolve({"save": ["b"]})(TWO_LAYERS)) == expected
+    assert names(TWO_LAYERS, P.resolve(["b"])(TWO_LAYERS)) == expected
+    assert P.resolve(16)(TWO_LAYERS) == P.budget(16)(TWO_LAYERS)
+    assert P.resolve(lambda prog: {0, 1})(TWO_LAYERS) == {0, 1}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("sqrtt", "unknown checkpoint policy 'sqrtt'"),
+    ({"keep": ["b"]}, "a dict checkpoint is"),
+    ({"save": "b"}, "a dict checkpoint is"),
+    ([1, 2], "names must be strings"),
+    (-1, "byte count >= 0"),
+    (True, "not a checkpoint policy"),
+    (1.5, "not a checkpoint policy"),
+])
+def test_resolve_rejects_bad_values(value, message):
+    with pytest.raises(GradientError, match=message):
+        P.resolve(value)
+
+
+@pytest.mark.parametrize("result", [{99}, {"a"}, 3])
+def test_resolve_checks_what_a_callable_returns(result):
+    with pytest.raises(GradientError, match="returned"):
+        P.resolve(lambda prog: result)(TWO_LAYERS)
+
+
+def test_program_from_function():
+    prog = P.program_from_function(mlp(True)["main"])
+    x, lv, lv1 = prog.index("x"), prog.index("lv"), prog.index("lv1")
+    assert prog.nodes[lv] == Node("lv", "var", (x,), 0, 0.0)  # lv = start_checkpoint(x)
+    assert prog.nodes[lv1] == Node("lv1", "relax.matmul", (lv, prog.index("w0")), 3 * 6 * 4,
+                                   2.0 * 3 * 6 * 6)
+    assert x in prog.start_marked and len(prog.start_marked) == len(prog.end_marked) == 4
+    assert names(prog, prog.outputs) == {"gv"}
