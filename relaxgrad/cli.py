@@ -2,6 +2,8 @@
 
 ``relaxgrad grad FILE.py --func main [--require-grads x w]`` prints the adjoint as TVMScript;
 ``relaxgrad check FILE.py --func main`` checks its gradients numerically (exit 1 on failure);
+``relaxgrad memory FILE.py --func main [--adjoint]`` prints a function's estimated and planned
+memory;
 ``relaxgrad demo`` trains the digits MLP on CPU and prints the accuracy.
 
 ``FILE.py`` defines an ``IRModule`` (e.g. an ``@I.ir_module`` class) at top level; with several,
@@ -79,6 +81,23 @@ def _check(args) -> int:
     return 0 if result.ok else 1
 
 
+def _memory(args) -> int:
+    from .analysis import estimate_activation_bytes, planned_memory_split
+
+    mod = load_module(args.file, args.module)
+    if args.func not in [gv.name_hint for gv in mod.get_global_vars()]:
+        raise GradientError(f"{args.file}: no function named {args.func!r} in the module")
+    func_name = args.func
+    if args.adjoint:
+        mod, func_name = Gradient(args.func)(mod), args.func + "_adjoint"
+    estimate = estimate_activation_bytes(mod[func_name])
+    split = planned_memory_split(mod, func_name, args.target)
+    print(f"{func_name}: peak live intermediates, estimated before lowering: {estimate} bytes")
+    print(f"{func_name}: planned storage after lowering for {args.target}: "
+          f"outputs {split['outputs']} + other {split['other']} = {split['total']} bytes")
+    return 0
+
+
 def _demo(args) -> int:
     from .training.demo import run_demo
 
@@ -109,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--high", type=float, default=1.0, help="random inputs' upper bound")
     check.add_argument("--tol", type=float, help="tolerance (default: from the dtype)")
     check.set_defaults(run=_check)
+
+    memory = sub.add_parser("memory", help="print estimated and planned memory of a function")
+    memory.add_argument("file", help="Python file defining an IRModule")
+    memory.add_argument("--func", default="main", help="function to measure")
+    memory.add_argument("--module", help="name of the IRModule in FILE (when it has several)")
+    memory.add_argument("--adjoint", action="store_true",
+                        help="measure the adjoint of FUNC (relaxgrad.Gradient) instead")
+    memory.add_argument("--target", default="llvm", help="target to lower for")
+    memory.set_defaults(run=_memory)
 
     demo = sub.add_parser("demo", help="train an MLP on scikit-learn's digits and print accuracy")
     demo.add_argument("--epochs", type=int, default=20)

@@ -318,7 +318,7 @@ def sqrt(program: Program) -> frozenset:
     saved: set[int] = set()
     reach = -1  # the last use of any non-free value defined so far
     filled = 0
-    for i, node in enumerate(nodes):
+    for i in range(len(nodes)):
         filled += weight[i]
         is_cut = reach <= i
         if i in program.outputs and is_cut:
