@@ -41,6 +41,7 @@ __all__ = [
     "Policy",
     "Program",
     "budget",
+    "decide",
     "greedy_knapsack",
     "knapsack",
     "markers",
@@ -660,21 +661,32 @@ def _cost(op: str, value, ty) -> float:
 
 
 def _reads(expr, index: dict, where: str) -> list[int]:
-    """Indices of the vars ``expr`` reads; raises on expression kinds it cannot see into."""
+    """Indices of the vars ``expr`` reads."""
+    if isinstance(expr, (relax.If, relax.SeqExpr)):
+        from .exprs import free_vars  # the pass's walker, which sees into nested scopes
+
+        found = free_vars(expr)
+    else:
+        found = _vars_read(expr, where)
+    missing = [v.name for v in found if _ty.key(v) not in index]
+    if missing:
+        raise GradientError(f"{where}: {', '.join(missing)} used before being defined")
+    return [index[_ty.key(v)] for v in found]
+
+
+def _vars_read(expr, where: str) -> list:
     if isinstance(expr, relax.Var):
-        key = _ty.key(expr)
-        if key not in index:
-            raise GradientError(f"{where}: {expr.name} is used before it is defined")
-        return [index[key]]
+        return [expr]
     if isinstance(expr, relax.Call):
-        return [j for a in expr.args for j in _reads(a, index, where)]
+        op = [expr.op] if isinstance(expr.op, relax.Var) else []
+        return [v for a in [*op, *expr.args] for v in _vars_read(a, where)]
     if isinstance(expr, relax.Tuple):
-        return [j for f in expr.fields for j in _reads(f, index, where)]
+        return [v for f in expr.fields for v in _vars_read(f, where)]
     if isinstance(expr, relax.TupleGetItem):
-        return _reads(expr.tuple_value, index, where)
+        return _vars_read(expr.tuple_value, where)
     if isinstance(expr, (relax.Function, relax.If, relax.SeqExpr)):
         raise GradientError(f"{where}: cannot read a {type(expr).__name__} ({str(expr)[:60]})")
-    return []  # constants, shapes, prim values, strings, global vars, ops
+    return []  # constants, shapes, strings, global vars, ops
 
 
 def _op_name(value) -> str:
@@ -683,13 +695,15 @@ def _op_name(value) -> str:
             return str(value.op.name)
         if isinstance(value.op, tvm.ir.GlobalVar):
             return "call:" + str(value.op.name_hint)
-        return "call:" + str(getattr(value.op, "global_symbol", value.op))
+        return "call:" + str(getattr(value.op, "global_symbol", None) or value.op)
     if isinstance(value, relax.Tuple):
         return "tuple"
     if isinstance(value, relax.TupleGetItem):
         return "get_item"
     if isinstance(value, relax.Var):
         return "var"
+    if isinstance(value, relax.If):
+        return "if"
     return "const"
 
 
@@ -701,14 +715,62 @@ def _returned(expr) -> list:
     return []
 
 
+def _build(params, bindings, outputs, name: str, start=(), end=()) -> tuple[Program, list]:
+    """The Program of ``params`` then ``bindings``, and the var of each node."""
+    where = f"program_from_function({name})"
+    start_op = tvm.ir.Op.get("relax.grad.start_checkpoint")
+    end_op = tvm.ir.Op.get("relax.grad.end_checkpoint")
+    nodes: list[Node] = []
+    variables: list = []
+    index: dict[int, int] = {}
+    marked_as: dict[int, int] = {}  # marker alias -> the value it wraps
+    start_marked = {_ty.key(v) for v in start}
+    end_marked = {_ty.key(v) for v in end}
+    for p in params:
+        index[_ty.key(p)] = len(nodes)
+        nodes.append(Node(p.name, "param", (), _nbytes(p.ty), 0.0))
+        variables.append(p)
+    for binding in bindings:
+        var, value = binding.var, binding.value
+        inputs = tuple(dict.fromkeys(_reads(value, index, f"{where}, {var.name}")))
+        op = "var" if isinstance(binding, relax.MatchCast) else _op_name(value)
+        if isinstance(value, relax.Call) and (value.op.same_as(start_op)
+                                              or value.op.same_as(end_op)):
+            if not isinstance(value.args[0], relax.Var):
+                raise GradientError(f"{where}: the argument of {op} bound to {var.name} "
+                                    "must be a Var")
+            inputs = (marked_as.get(inputs[0], inputs[0]),)  # TVM remaps marker vars
+            marked_as[len(nodes)] = inputs[0]
+            marked, key = (start_marked, variables[inputs[0]]) if value.op.same_as(
+                start_op) else (end_marked, var)
+            marked.add(_ty.key(key))
+            op = "var"
+        alias = op in ALIAS_OPS
+        nbytes = 0 if alias else _nbytes(var.ty)
+        cost = 0.0 if alias or op == "const" else _cost(op, value, var.ty)
+        index[_ty.key(var)] = len(nodes)
+        nodes.append(Node(var.name, op, inputs, nbytes, cost))
+        variables.append(var)
+    returned = {index[_ty.key(v)] for v in outputs if _ty.key(v) in index}
+    returned |= {i for i, v in enumerate(variables)
+                 if i >= len(params) and not isinstance(v, relax.DataflowVar)}
+
+    def indices(keys: set) -> frozenset:
+        return frozenset(i for i, v in enumerate(variables) if _ty.key(v) in keys)
+
+    program = Program(tuple(nodes), frozenset(returned), indices(start_marked),
+                      indices(end_marked))
+    return program, variables
+
+
 def program_from_function(func: relax.Function, name: str = "function") -> Program:
-    """The :class:`Program` of a Relax function whose body is dataflow bindings.
+    """The :class:`Program` of a Relax function whose body is binding blocks.
 
     A marker binding ``y = R.grad.start_checkpoint(x)`` makes ``x`` start-marked and ``y`` an
     alias (``"var"``) of ``x``; ``y = R.grad.end_checkpoint(x)`` makes ``y`` an end-marked
-    alias. ``nbytes`` comes from static shapes and dtypes (tuple-valued calls: the sum of the
-    fields; aliases: 0), ``cost`` from the op kind. Outputs are non-dataflow vars and the vars
-    the function returns.
+    alias. A ``match_cast`` is an alias too. ``nbytes`` comes from static shapes and dtypes
+    (tuple-valued calls: the sum of the fields; aliases: 0), ``cost`` from the op kind.
+    Outputs are non-dataflow vars and the vars the function returns.
 
     Parameters
     ----------
@@ -722,42 +784,36 @@ def program_from_function(func: relax.Function, name: str = "function") -> Progr
     Program
         The function as plain data.
     """
-    where = f"program_from_function({name})"
     if not isinstance(func.body, relax.SeqExpr):
-        raise GradientError(f"{where}: the body must be a sequence of binding blocks")
-    start_op = tvm.ir.Op.get("relax.grad.start_checkpoint")
-    end_op = tvm.ir.Op.get("relax.grad.end_checkpoint")
-    nodes: list[Node] = []
-    index: dict[int, int] = {}
-    outputs, start, end = set(), set(), set()
-    marked_as: dict[int, int] = {}  # marker alias -> the value it wraps
-    for p in func.params:
-        index[_ty.key(p)] = len(nodes)
-        nodes.append(Node(p.name, "param", (), _nbytes(p.ty), 0.0))
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            if not isinstance(binding, relax.VarBinding):
-                raise GradientError(f"{where}: {binding.var.name} is a MatchCast; only var "
-                                    "bindings are supported")
-            var, value = binding.var, binding.value
-            inputs = tuple(dict.fromkeys(_reads(value, index, f"{where}, {var.name}")))
-            op = _op_name(value)
-            if isinstance(value, relax.Call) and (value.op.same_as(start_op)
-                                                  or value.op.same_as(end_op)):
-                if not isinstance(value.args[0], relax.Var):
-                    raise GradientError(f"{where}: the argument of {op} bound to {var.name} "
-                                        "must be a Var")
-                inputs = (marked_as.get(inputs[0], inputs[0]),)  # TVM remaps marker vars
-                marked_as[len(nodes)] = inputs[0]
-                (start if value.op.same_as(start_op) else end).add(
-                    inputs[0] if value.op.same_as(start_op) else len(nodes))
-                op = "var"
-            alias = op in ALIAS_OPS
-            nbytes = 0 if alias else _nbytes(var.ty)
-            cost = 0.0 if alias or op == "const" else _cost(op, value, var.ty)
-            index[_ty.key(var)] = len(nodes)
-            if not isinstance(var, relax.DataflowVar):
-                outputs.add(len(nodes))
-            nodes.append(Node(var.name, op, inputs, nbytes, cost))
-    outputs.update(index[_ty.key(v)] for v in _returned(func.body.body) if _ty.key(v) in index)
-    return Program(tuple(nodes), frozenset(outputs), frozenset(start), frozenset(end))
+        raise GradientError(f"program_from_function({name}): the body must be a sequence of "
+                            "binding blocks")
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    return _build(func.params, bindings, _returned(func.body.body), name)[0]
+
+
+def decide(checkpoint, info, params, targets) -> set:
+    """The vars the pass keeps for ``checkpoint=``: the policy applied to the forward bindings.
+
+    Parameters
+    ----------
+    checkpoint : None, str, dict, list of str, int or callable
+        The option (see :func:`resolve`).
+    info : relaxgrad.transforms.checkpoint.CheckpointInfo
+        The forward program, markers stripped (``bindings``, ``ret``, ``start_marked``,
+        ``end_marked``).
+    params : list of relax.Var
+        The function's parameters (always kept).
+    targets : list of relax.Var
+        The differentiated targets (outputs, like the returned vars).
+
+    Returns
+    -------
+    set of relax.Var
+        The kept vars, parameters included.
+    """
+    policy = resolve(checkpoint)
+    program, variables = _build(
+        params, info.bindings, [*targets, *_returned(info.ret)], "the function",
+        getattr(info, "start_marked", ()), getattr(info, "end_marked", ()),
+    )
+    return {variables[i] for i in policy(program)} | set(params)
