@@ -9,6 +9,7 @@ from . import (  # noqa: E402, F401
     binary,
     create,
     datatype,
+    grad,
     image,
     index,
     linear_algebra,
