@@ -76,3 +76,18 @@ def register_no_grad(op_names: Iterable[str]) -> None:
     """Register :func:`no_grad_rule` for a whole family of ops."""
     for name in op_names:
         register_gradient(name, no_grad_rule)
+
+
+# Ops that relaxgrad's own rules emit and that have no gradient of their own: differentiating
+# an adjoint that contains them names them as coming from a first-order rule.
+FIRST_ORDER_ONLY: set[str] = set()
+
+
+def missing_rule_hint(op_name: str) -> str:
+    """A note for the missing-rule error: empty, or why ``op_name`` has no rule."""
+    if op_name in FIRST_ORDER_ONLY or op_name.startswith("relax.grad."):
+        return (
+            " [emitted by a first-order gradient rule; it has no gradient of its own, so this "
+            "adjoint cannot be differentiated again]"
+        )
+    return ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import relax
 from tvm.ir import Op
@@ -10,41 +12,66 @@ from tvm.relax import BlockBuilder, Expr, Var
 from .. import _ty
 from ..errors import GradientError
 from ..ops import get_gradient
+from ..ops.registry import missing_rule_hint
 from .adjoint import AdjointStore, add_in_tuple, is_no_grad, nested_zeros
-from .checkpoint import CheckpointInfo, Regenerator, free_vars
+from .checkpoint import CheckpointInfo, Regenerator
+from .exprs import free_vars, is_op, rename_seq
 
 TE_GRAD_PREFIX = "tvm.relax.te_grad._register."
 
+# (callee GlobalVar) -> (GlobalVar of its VJP function, indices of the params it returns grads of)
+CalleeVJP = Callable[[relax.GlobalVar, str], tuple[relax.GlobalVar, list[int]]]
+
 
 class BackwardWalk:
-    """Emits the backward bindings of one dataflow block into ``bb``."""
+    """Emits the backward bindings of a list of forward bindings into ``bb``.
 
-    def __init__(self, bb: BlockBuilder, func_name: str, params, info: CheckpointInfo):
+    Seeds arrive as a mapping ``{target expr: seed expr}``; adjoints that never arrive stay
+    absent (a symbolic zero) until an output needs them.
+    """
+
+    def __init__(
+        self,
+        bb: BlockBuilder,
+        func_name: str,
+        params,
+        info: CheckpointInfo,
+        callee_vjp: CalleeVJP | None = None,
+        regen: Regenerator | None = None,
+    ):
         self.bb = bb
         self.func_name = func_name
         self.info = info
         self.store = AdjointStore(bb)
-        self.regen = Regenerator(bb, params, info)
+        self.regen = regen if regen is not None else Regenerator(bb, params, info)
+        self.callee_vjp = callee_vjp
         self.missing: dict[str, list[str]] = {}  # op name -> vars bound to it
         # vars upstream of an op without rule: walked only to find further such ops
         self.blocked: set[int] = set()
-        self._call_tir = Op.get("relax.call_tir")
-        self._call_tir_with_grad = Op.get("relax.call_tir_with_grad")
 
-    def run(self, target: Var, require_grads, orig_ret: Expr) -> Expr:
-        """Seed the target with ones, walk backwards, and return ``(orig_ret, (adjoints...))``."""
-        shape, dtype = _ty.shape_of(target), _ty.dtype_of(target)
-        self.store.update(target, relax.op.ones(shape, dtype))
+    def walk(self, seeds: dict) -> None:
+        """Seed the adjoints and visit the bindings backwards."""
+        for target, seed in seeds.items():
+            self.store.update(target, seed)
         for binding in reversed(self.info.bindings):
             self.visit(binding)
         if self.missing:
-            ops = "; ".join(f"{op} (bound to {', '.join(vs)})" for op, vs in self.missing.items())
+            ops = "; ".join(
+                f"{op} (bound to {', '.join(vs)}){missing_rule_hint(op)}"
+                for op, vs in self.missing.items()
+            )
             raise GradientError(
                 f"Gradient: function {self.func_name} uses ops with no gradient rule: {ops}. "
                 "Register one with relaxgrad.register_gradient."
             )
-        return self.epilogue(require_grads, orig_ret)
 
+    def run(self, seeds: dict, require_grads, orig_ret: Expr | None, dataflow=True) -> Expr:
+        """Walk, then return ``(orig_ret, (adjoints...))`` (only the adjoints when
+        ``orig_ret`` is None)."""
+        self.walk(seeds)
+        return self.epilogue(require_grads, orig_ret, dataflow)
+
+    # -- one method per kind of binding ------------------------------------------------------
     def visit(self, binding) -> None:
         var = binding.var
         if var not in self.store:
@@ -52,55 +79,135 @@ class BackwardWalk:
                 self.find_missing(var, binding.value)
             return  # does not reach the target
         value = binding.value
-        if isinstance(value, relax.Call):
-            self.visit_call(var, value)
+        if isinstance(binding, relax.MatchCast):
+            self.visit_match_cast(var, value)
+        elif isinstance(value, relax.Call):
+            if isinstance(value.op, Op):
+                self.visit_call(var, value)
+            elif isinstance(value.op, relax.GlobalVar):
+                self.visit_call_function(var, value)
+            else:
+                raise GradientError(
+                    f"Gradient: in function {self.func_name}, {var.name} is bound to a call of "
+                    f"{value.op}, which is neither an operator nor a function of the module"
+                )
         elif isinstance(value, relax.Tuple):
             self.store.update(value, self.store[var])
         elif isinstance(value, relax.TupleGetItem):
             self.visit_tuple_get_item(var, value)
         elif isinstance(value, relax.Var):
             self.store.update(value, self.store[var])
-        elif not isinstance(value, _ty.Constant):
+        elif isinstance(value, relax.If):
+            self.visit_if(var, value)
+        elif not isinstance(value, _ty.Constant | relax.ShapeExpr):
             raise GradientError(
                 f"Gradient: in function {self.func_name}, cannot differentiate the binding of "
                 f"{var.name}: unsupported value {type(value).__name__} {value}"
             )
 
+    def visit_match_cast(self, var: Var, value: Expr) -> None:
+        """``y = match_cast(x, T)``: the adjoint of ``y`` flows to ``x``."""
+        self.store.update(value, self.store[var])
+
     def visit_call(self, var: Var, call: relax.Call) -> None:
-        if not isinstance(call.op, Op):
-            raise GradientError(
-                f"Gradient: in function {self.func_name}, {var.name} is bound to a call of "
-                f"{call.op}, which is not an operator; calls of functions are not supported yet"
-            )
         adjoint = self.store[var]
-        if call.op.same_as(self._call_tir):
+        if is_op(call, "relax.call_tir"):
             raise GradientError(
                 f"Gradient: in function {self.func_name}, {var.name} is bound to call_tir "
                 "without a gradient; use call_tir_with_grad (relax.training.utils."
                 "register_te_gradient) to give it one"
             )
         cp_var, cp_call = self.regen.update_binding(var, call)
-        if call.op.same_as(self._call_tir_with_grad):
+        if is_op(call, "relax.call_tir_with_grad"):
             self.visit_call_tir_with_grad(var, call, cp_var, cp_call, adjoint)
             return
         rule = get_gradient(call.op)
         if rule is None:
             self.find_missing(var, call)
             return
-        partials = list(rule(cp_var, cp_call, adjoint, self.bb))
-        if len(partials) != len(call.args):
-            raise GradientError(
-                f"Gradient: the rule of {call.op.name} returned {len(partials)} partials for "
-                f"{len(call.args)} arguments, at {var.name} = {call}"
-            )
+        name = str(call.op.name)
+        partials = rule(cp_var, cp_call, adjoint, self.bb)
+        partials = _check_partials(partials, call.args, f"the rule of {name}", var, call)
         for arg, partial in zip(call.args, partials):
             if not is_no_grad(partial):
-                self.store.update(arg, partial)
+                self._update_checked(arg, partial, f"the rule of {name}", var)
+
+    def _update_checked(self, arg: Expr, partial: Expr, who: str, var: Var) -> None:
+        """Add a rule's partial to ``arg``'s adjoint, after checking its type against ``arg``."""
+        partial = self.bb.normalize(partial)
+        _check_partial_type(partial, arg, who, var, self.func_name)
+        self.store.update(arg, partial)
+
+    def visit_call_function(self, var: Var, call: relax.Call) -> None:
+        """``y = f(args)`` for a Relax function ``f`` of the module: call its VJP function."""
+        if self.callee_vjp is None:
+            raise GradientError(
+                f"Gradient: in function {self.func_name}, {var.name} calls {call.op.name_hint}, "
+                "but calls of functions are not supported here"
+            )
+        vjp, indices = self.callee_vjp(call.op, self.func_name)
+        args = [self.regen.visit(a) for a in call.args]
+        if not indices:
+            return
+        grads = self.bb.emit(relax.Call(vjp, [*args, self.store[var]]), var.name + "_vjp")
+        for j, i in enumerate(indices):
+            self.store.update(call.args[i], relax.TupleGetItem(grads, j))
+
+    def visit_if(self, var: Var, node: relax.If) -> None:
+        """``y = if c then A else B``: an If over the backward of each branch, returning the
+        adjoints of the outer vars the branches read (the condition gets none)."""
+        outer = []
+        seen = set()
+        for branch in (node.true_branch, node.false_branch):
+            for v in free_vars(branch):
+                if _ty.key(v) not in seen and _ty.nested_all(v.ty, _ty.is_float_tensor):
+                    seen.add(_ty.key(v))
+                    outer.append(v)
+        cond = self.regen.visit(node.cond)
+        branches = [self._branch_backward(b, outer, self.store[var]) for b in
+                    (node.true_branch, node.false_branch)]
+        if not outer:
+            return
+        grads = self.bb.emit(relax.If(cond, *branches), var.name + "_if_adjoint")
+        for i, v in enumerate(outer):
+            self.store.update(v, relax.TupleGetItem(grads, i))
+
+    def _branch_backward(self, branch: relax.SeqExpr, outer: list, seed: Expr) -> relax.SeqExpr:
+        """The backward of one If branch: recompute its bindings (fresh vars), walk them back
+        from ``seed``, and return the tuple of adjoints of ``outer``."""
+        bb = self.bb
+        remap = {v: self.regen.visit_var(v) for v in free_vars(branch)}
+        copy = rename_seq(branch, remap, plain=True)
+        bb.begin_scope()
+        bb._begin_binding_block()
+        try:
+            bindings = []
+            for block in copy.blocks:
+                for b in block.bindings:
+                    value = bb.normalize(b.value)
+                    if isinstance(b, relax.MatchCast):
+                        b = relax.MatchCast(b.var, value, b.ty)
+                    else:
+                        b = relax.VarBinding(b.var, value)
+                    bb.emit_normalized(b)
+                    bindings.append(b)
+            info = CheckpointInfo([(False, bindings)], copy.body, None)
+            walk = BackwardWalk(bb, self.func_name, [], info, self.callee_vjp)
+            walk.walk({copy.body: seed})
+            outs = []
+            for v in outer:
+                inner = remap.get(v, v)
+                outs.append(walk.store[inner] if inner in walk.store else nested_zeros(v.ty))
+            result = bb.normalize(relax.Tuple(outs))
+        finally:
+            block = bb._end_block()
+            bb.end_scope()
+        return relax.SeqExpr([block], result)
 
     def find_missing(self, var: Var, value) -> None:
         """Record ``var = value`` if it calls an op without rule, and keep looking upstream."""
         if isinstance(value, relax.Call) and isinstance(value.op, Op):
-            if get_gradient(value.op) is None and not value.op.same_as(self._call_tir_with_grad):
+            if get_gradient(value.op) is None and not is_op(value, "relax.call_tir_with_grad"):
                 self.missing.setdefault(str(value.op.name), []).append(var.name)
         self.blocked.update(_ty.key(v) for v in free_vars(value))
 
@@ -114,15 +221,23 @@ class BackwardWalk:
             )
         partials = grad_func(cp_var, cp_call, adjoint, self.bb)
         args = call.args[1].fields
+        who = f"the TE gradient {name!r}"
         if not _ty.is_tuple(partials):
             if len(args) != 1:
                 raise GradientError(
-                    f"Gradient: TE gradient {name!r} returned one tensor for {len(args)} inputs"
+                    f"Gradient: {who} returned one tensor for {len(args)} inputs, at "
+                    f"{var.name} in function {self.func_name}"
                 )
-            self.store.update(args[0], partials)
+            self._update_checked(args[0], partials, who, var)
             return
+        partials = self.bb.normalize(partials)
+        if len(_ty.tuple_fields(partials)) != len(args):
+            raise GradientError(
+                f"Gradient: {who} returned {len(_ty.tuple_fields(partials))} partials for "
+                f"{len(args)} inputs, at {var.name} in function {self.func_name}"
+            )
         for i, arg in enumerate(args):
-            self.store.update(arg, relax.TupleGetItem(partials, i))
+            self._update_checked(arg, relax.TupleGetItem(partials, i), who, var)
 
     def visit_tuple_get_item(self, var: Var, value: relax.TupleGetItem) -> None:
         tup = value.tuple_value
@@ -139,11 +254,67 @@ class BackwardWalk:
             updated = add_in_tuple(self.store[tup], value.index, self.store[var])
             self.store.emit(tup, updated)
 
-    def epilogue(self, require_grads, orig_ret: Expr) -> Expr:
+    def epilogue(self, require_grads, orig_ret: Expr | None, dataflow: bool = True) -> Expr:
         outs = []
         for var in require_grads:
             var = self.info.var_mapping.get(var, var)
             if var not in self.store:
                 self.store.update(var, nested_zeros(var.ty, var.name))
-            outs.append(self.store.emit(var, self.store[var], is_output=True))
+            outs.append(self.store.emit(var, self.store[var], is_output=dataflow))
+        if orig_ret is None:
+            return relax.Tuple(outs)
         return relax.Tuple([orig_ret, relax.Tuple(outs)])
+
+
+def _check_partials(partials, args, who: str, var: Var, call: relax.Call) -> list:
+    try:
+        partials = list(partials)
+    except TypeError:
+        raise GradientError(
+            f"Gradient: {who} must return a list of partials, not {type(partials).__name__}, "
+            f"at {var.name} = {call}"
+        ) from None
+    if len(partials) != len(args):
+        raise GradientError(
+            f"Gradient: {who} returned {len(partials)} partials for {len(args)} arguments, at "
+            f"{var.name} = {call}"
+        )
+    return partials
+
+
+def _check_partial_type(partial: Expr, arg: Expr, who: str, var: Var, func_name: str) -> None:
+    """A partial must have the structure, dtype and (when provable) shape of its argument."""
+    want, got = _ty.type_of(arg), _ty.type_of(partial)
+    problem = _type_mismatch(want, got)
+    if problem:
+        raise GradientError(
+            f"Gradient: {who} returned a partial of type {got} for an argument of type {want} "
+            f"({problem}), at {var.name} in function {func_name}"
+        )
+
+
+def _type_mismatch(want, got) -> str | None:
+    if _ty.is_tuple(want):
+        if not _ty.is_tuple(got) or len(want.fields) != len(got.fields):
+            return "tuple structure differs"
+        for w, g in zip(want.fields, got.fields):
+            problem = _type_mismatch(w, g)
+            if problem:
+                return problem
+        return None
+    if not _ty.is_tensor(want):
+        return None  # shapes, prim values: the store refuses real gradients for them
+    if not _ty.is_tensor(got):
+        return "not a tensor"
+    if _ty.dtype_of(want) != _ty.dtype_of(got) and _ty.dtype_of(got) != "void":
+        return f"dtype {_ty.dtype_of(got)} instead of {_ty.dtype_of(want)}"
+    wn, gn = _ty.ndim_of(want), _ty.ndim_of(got)
+    if wn != -1 and gn != -1 and wn != gn:
+        return f"rank {gn} instead of {wn}"
+    ws, gs = _ty.shape_of(want), _ty.shape_of(got)
+    if ws is not None and gs is not None:
+        for a, b in zip(ws.values, gs.values):
+            if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm):
+                if int(a) != int(b):
+                    return f"shape {list(gs.values)} instead of {list(ws.values)}"
+    return None

@@ -1,14 +1,16 @@
 """Checkpointing: which forward values the backward pass may use, and regenerating the rest.
 
-``collect_checkpoints`` applies the three rules of TVM's ``CheckpointCollector``:
+:func:`strip_markers` removes the ``R.grad.start_checkpoint`` / ``end_checkpoint`` bindings and
+applies the three rules of TVM's ``CheckpointCollector`` (the ``"markers"`` policy):
 
 1. function parameters are checkpointed;
 2. a var wrapped by ``R.grad.start_checkpoint`` is checkpointed;
 3. any other var is checkpointed iff every var its value uses is checkpointed or is the result
    of ``R.grad.end_checkpoint``.
 
-and removes the marker bindings. :class:`Regenerator` then recomputes, lazily and once, every
-non-checkpointed value the backward pass needs, as ``<name>_cp`` bindings.
+Other policies (:mod:`relaxgrad.transforms.policies`) replace that decision. :class:`Regenerator`
+then recomputes, lazily and once, every non-checkpointed value the backward pass needs, as
+``<name>_cp`` bindings.
 """
 
 from __future__ import annotations
@@ -16,110 +18,92 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tvm import relax
-from tvm.ir import Op
 from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
+from .exprs import free_vars, is_op, substitute
+
+__all__ = ["CheckpointInfo", "Regenerator", "strip_markers"]
+
+_START, _END = "relax.grad.start_checkpoint", "relax.grad.end_checkpoint"
 
 
 @dataclass
 class CheckpointInfo:
     """What the collector learned. ``checkpoints=None`` means every var is checkpointed."""
 
-    bindings: list  # list[relax.VarBinding], markers removed, uses remapped
+    segments: list  # [(is_dataflow, [binding, ...]), ...], markers removed, uses remapped
     ret: Expr
     checkpoints: set | None
     var_mapping: dict = field(default_factory=dict)  # wrapped var -> original var
+    start_marked: set = field(default_factory=set)
+    end_marked: set = field(default_factory=set)
+
+    @property
+    def bindings(self) -> list:
+        return [b for _, bindings in self.segments for b in bindings]
 
     def is_checkpointed(self, var: Var) -> bool:
         return self.checkpoints is None or var in self.checkpoints
 
 
-def _marker_ops() -> tuple[Op, Op]:
-    return Op.get("relax.grad.start_checkpoint"), Op.get("relax.grad.end_checkpoint")
+def _is_marker(value) -> bool:
+    return is_op(value, _START) or is_op(value, _END)
 
 
-def free_vars(expr: Expr) -> list[Var]:
-    """The relax Vars used in a binding value (calls, tuples, tuple-get-items)."""
-    if isinstance(expr, relax.Var):
-        return [expr]
-    if isinstance(expr, relax.Call):
-        return [v for arg in expr.args for v in free_vars(arg)]
-    if isinstance(expr, relax.Tuple):
-        return [v for f in expr.fields for v in free_vars(f)]
-    if isinstance(expr, relax.TupleGetItem):
-        return free_vars(expr.tuple_value)
-    return []
-
-
-def substitute(expr: Expr, remap: dict) -> Expr:
-    """``expr`` with vars replaced per ``remap`` (calls, tuples, tuple-get-items)."""
-    if isinstance(expr, relax.Var):
-        return remap.get(expr, expr)
-    if isinstance(expr, relax.Call):
-        args = [substitute(a, remap) for a in expr.args]
-        if all(a.same_as(b) for a, b in zip(args, expr.args)):
-            return expr
-        return relax.Call(expr.op, args, expr.attrs, expr.ty_args)
-    if isinstance(expr, relax.Tuple):
-        fields = [substitute(f, remap) for f in expr.fields]
-        if all(a.same_as(b) for a, b in zip(fields, expr.fields)):
-            return expr
-        return relax.Tuple(fields)
-    if isinstance(expr, relax.TupleGetItem):
-        tup = substitute(expr.tuple_value, remap)
-        return expr if tup.same_as(expr.tuple_value) else relax.TupleGetItem(tup, expr.index)
-    return expr
-
-
-def collect_checkpoints(bb: BlockBuilder, params, bindings, ret: Expr) -> CheckpointInfo:
-    """Apply the checkpoint rules to a dataflow block and strip the markers.
+def strip_markers(bb: BlockBuilder, params, segments, ret: Expr) -> CheckpointInfo:
+    """Apply the marker rules to the blocks ``segments`` and strip the markers.
 
     ``bb`` normalizes rewritten values (it must be inside a scope).
     """
-    s_cp, e_cp = _marker_ops()
-
-    def is_marker(value) -> bool:
-        return isinstance(value, relax.Call) and (value.op.same_as(s_cp) or value.op.same_as(e_cp))
-
-    if not any(is_marker(b.value) for b in bindings):
-        return CheckpointInfo(list(bindings), ret, None)
+    if not any(_is_marker(b.value) for _, bindings in segments for b in bindings):
+        return CheckpointInfo([(df, list(bs)) for df, bs in segments], ret, None)
 
     checkpoints: set = set(params)
     e_vars: set = set()
     remap: dict = {}
-    var_mapping: dict = {}
-    out = []
-    for b in bindings:
-        value = b.value
-        if not is_marker(value):
-            if all(v in checkpoints or v in e_vars for v in free_vars(value)):
-                checkpoints.add(b.var)
-            new_value = substitute(value, remap)
-            if not new_value.same_as(value):
-                b = relax.VarBinding(b.var, bb.normalize(new_value))
-            out.append(b)
-            continue
-        arg = value.args[0]
-        if not isinstance(arg, relax.Var):
-            raise GradientError(
-                f"Gradient: the argument of {value.op.name} bound to {b.var.name} must be a Var"
-            )
-        orig = remap.get(arg, arg)
-        if not isinstance(b.var, relax.DataflowVar) and isinstance(arg, relax.DataflowVar):
-            # an output var wraps a dataflow var: keep an output binding of the original value
-            new_var = relax.Var(orig.name, orig.ty)
-            out.append(relax.VarBinding(new_var, orig))
-            remap[b.var] = new_var
-        else:
-            remap[b.var] = orig
-        var_mapping[b.var] = orig
-        if value.op.same_as(s_cp):
-            checkpoints.add(orig)
-        else:
-            e_vars.add(b.var)
-    return CheckpointInfo(out, substitute(ret, remap), checkpoints, var_mapping)
+    info = CheckpointInfo([], ret, checkpoints)
+    for is_dataflow, bindings in segments:
+        out = []
+        for b in bindings:
+            value = b.value
+            if not _is_marker(value):
+                if all(v in checkpoints or v in e_vars for v in free_vars(value)):
+                    checkpoints.add(b.var)
+                new_value = substitute(value, remap)
+                if not new_value.same_as(value):
+                    new_value = bb.normalize(new_value)
+                    if isinstance(b, relax.MatchCast):
+                        b = relax.MatchCast(b.var, new_value, b.ty)
+                    else:
+                        b = relax.VarBinding(b.var, new_value)
+                out.append(b)
+                continue
+            arg = value.args[0]
+            if not isinstance(arg, relax.Var):
+                raise GradientError(
+                    f"Gradient: the argument of {value.op.name} bound to {b.var.name} must be "
+                    "a Var"
+                )
+            orig = remap.get(arg, arg)
+            if not isinstance(b.var, relax.DataflowVar) and isinstance(orig, relax.DataflowVar):
+                # an output var wraps a dataflow var: keep an output binding of the original
+                new_var = relax.Var(orig.name, orig.ty)
+                out.append(relax.VarBinding(new_var, orig))
+                remap[b.var] = new_var
+            else:
+                remap[b.var] = orig
+            info.var_mapping[b.var] = orig
+            if is_op(value, _START):
+                checkpoints.add(orig)
+                info.start_marked.add(orig)
+            else:
+                e_vars.add(b.var)
+                info.end_marked.add(orig)
+        info.segments.append((is_dataflow, out))
+    info.ret = substitute(ret, remap)
+    return info
 
 
 class Regenerator:
@@ -151,22 +135,15 @@ class Regenerator:
         return cp, new_value
 
     def visit(self, expr: Expr) -> Expr:
-        if isinstance(expr, relax.Var):
-            return self.visit_var(expr)
-        if isinstance(expr, relax.Call):
-            args = [self.visit(a) for a in expr.args]
-            return self.bb.normalize(relax.Call(expr.op, args, expr.attrs, expr.ty_args))
-        if isinstance(expr, relax.Tuple):
-            fields = [self.visit(f) for f in expr.fields]
-            if all(a.same_as(b) for a, b in zip(fields, expr.fields)):
-                return expr
-            return self.bb.normalize(relax.Tuple(fields))
-        if isinstance(expr, relax.TupleGetItem):
-            tup = self.visit(expr.tuple_value)
-            if tup.same_as(expr.tuple_value):
-                return expr
-            return self.bb.normalize(relax.TupleGetItem(tup, expr.index))
-        return expr
+        """``expr`` with every var it reads replaced by its checkpointed version."""
+        remap = {}
+        for v in free_vars(expr):
+            cp = self.visit_var(v)
+            if not cp.same_as(v):
+                remap[v] = cp
+        if not remap:
+            return expr
+        return self.bb.normalize(substitute(expr, remap))
 
     def visit_var(self, var: Var) -> Var:
         k = _ty.key(var)
@@ -174,7 +151,7 @@ class Regenerator:
         if cp is not None:
             return cp
         if k not in self.values:
-            raise GradientError(f"Gradient: {var.name} is used but not defined in the block")
+            return var  # defined outside the walked bindings (e.g. an enclosing scope)
         cp = self.bb.emit(self.visit(self.values[k]), var.name + "_cp")
         self.cp_map[k] = cp
         return cp

@@ -1,4 +1,8 @@
-"""The ``Gradient`` module pass: validate, copy, checkpoint, walk backwards, simplify."""
+"""The ``Gradient`` module pass, a straight line of stages.
+
+validate (:mod:`.validate`) -> forward program (copy, markers stripped, vars mapped) ->
+checkpoint decision (a policy) -> reverse walk (:mod:`.backward`) -> simplify -> assemble.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,30 @@ from collections.abc import Sequence
 
 import tvm
 from tvm import relax
-from tvm.ir import IRModule, Op
+from tvm.ir import IRModule
 from tvm.relax import Function, Var
 
 from .. import _ty
 from .._module import with_function
 from ..errors import GradientError
 from .backward import BackwardWalk
-from .checkpoint import collect_checkpoints
+from .checkpoint import CheckpointInfo, strip_markers
+from .exprs import free_vars, is_op, substitute
 from .lower import lower_call_tir_with_grad
 from .simplify import remove_unused, simplify_gradient
+from .validate import Request, validate, validate_arguments
 
 __all__ = ["Gradient", "gradient_module"]
 
 
 def Gradient(  # noqa: N802 (TVM's pass naming)
     func_name: str,
-    require_grads: Var | Sequence[Var] | None = None,
-    target_index: int = 0,
+    require_grads: Var | str | Sequence[Var | str] | None = None,
+    target_index: int | Sequence[int] = 0,
+    *,
+    seed: str = "ones",
+    checkpoint="markers",
+    strict: bool = True,
 ) -> tvm.ir.transform.Pass:
     """Reverse-mode automatic differentiation of a Relax function.
 
@@ -33,177 +43,374 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
     Parameters
     ----------
     func_name : str
-        Name of the Relax function to differentiate (one dataflow block for now).
-    require_grads : Var or list of Var, optional
-        Parameters or intermediate vars of the function to differentiate with respect to.
-        Defaults to all parameters.
-    target_index : int
-        When the function returns a tuple, the field that is the target. The target must be a
-        float scalar Var.
+        Name of the Relax function to differentiate.
+    require_grads : Var, str or list of them, optional
+        Parameters or bound vars of the function (or their names) to differentiate with
+        respect to. Defaults to all parameters.
+    target_index : int or list of int
+        When the function returns a tuple (or a var bound to one), the field that is the
+        target; a list names several targets whose adjoints are summed.
+    seed : str
+        ``"ones"`` (TVM's behaviour: each target is a float scalar seeded with 1) or
+        ``"param"``: one output-gradient parameter per target is appended to the adjoint's
+        parameters, so the adjoint is a vector-Jacobian product.
+    checkpoint : str, int, list or callable
+        Which forward values the backward pass keeps (the rest is recomputed): ``"markers"``
+        (TVM's start/end_checkpoint markers; the default), or a policy of
+        :mod:`relaxgrad.transforms.policies`.
+    strict : bool
+        True (the default): refuse what TVM's pass refuses (anything but one dataflow block,
+        a return value bound to a tuple), so that this pass is a drop-in replacement for
+        TVM's, errors included. False: differentiate any number of blocks (dataflow or not),
+        ``If``, ``match_cast``, and look through a returned var bound to a tuple.
 
     Returns
     -------
     tvm.ir.transform.Pass
         A module pass named "Gradient".
     """
-    if isinstance(require_grads, Var):
-        require_grads = [require_grads]
-    elif require_grads is not None:
-        require_grads = list(require_grads)
-    return _GradientPass(str(func_name), require_grads, int(target_index))
+    args = validate_arguments(func_name, require_grads, target_index, seed, checkpoint, strict)
+    return _GradientPass(args)
 
 
 @tvm.transform.module_pass(opt_level=0, name="Gradient")
 class _GradientPass:
-    def __init__(self, func_name: str, require_grads: list | None, target_index: int):
-        self.func_name = func_name
-        self.require_grads = require_grads
-        self.target_index = target_index
+    def __init__(self, args: dict):
+        self.args = args
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return gradient_module(mod, self.func_name, self.require_grads, self.target_index)
+        return gradient_module(mod, **self.args)
 
 
 def gradient_module(
-    mod: IRModule, func_name: str, require_grads: list | None = None, target_index: int = 0
+    mod: IRModule,
+    func_name: str,
+    require_grads: list | None = None,
+    target_index: int | list = 0,
+    seed: str = "ones",
+    checkpoint="markers",
+    strict: bool = True,
 ) -> IRModule:
     """The pass body: a new module with ``<func_name>_adjoint`` added (``mod`` is untouched)."""
-    func = _lookup(mod, func_name)
-    copied = relax.utils.copy_with_new_vars(func)
-    var_map = _var_map(func, copied)
-    block = _single_dataflow_block(copied, func_name)
-
-    bb = relax.BlockBuilder(mod.clone())
-    params = list(copied.params)
-    bb.begin_scope(params)
-    bb._begin_dataflow_block()
-    try:
-        info = collect_checkpoints(bb, params, block.bindings, copied.body.body)
-        if require_grads is None:
-            grads = params
-        else:
-            grads = _map_require_grads(require_grads, var_map, func_name)
-        target = _target(info.ret, target_index, func_name)
-        has_call_tir_with_grad = _emit_forward(bb, info.bindings)
-        ret = BackwardWalk(bb, func_name, params, info).run(target, grads, info.ret)
-    finally:
-        new_block = bb._end_block()
-        bb.end_scope()
-    body = bb.normalize(relax.SeqExpr([new_block], ret))
-    adjoint = Function(params, body, None, copied.is_pure, copied.attrs)
-    if has_call_tir_with_grad:
-        adjoint = lower_call_tir_with_grad(adjoint)
-    adjoint = remove_unused(adjoint)
-    adjoint = simplify_gradient(adjoint)
-    return with_function(bb.get(), func_name + "_adjoint", adjoint)
+    args = validate_arguments(func_name, require_grads, target_index, seed, checkpoint, strict)
+    request = validate(mod, **args)
+    callees = Callees(mod, args["checkpoint"])
+    callees.prepare(request.func, func_name)
+    adjoint, new_mod = differentiate(callees.mod, request, callees)
+    return with_function(new_mod, func_name + "_adjoint", adjoint)
 
 
-def _emit_forward(bb: relax.BlockBuilder, bindings) -> bool:
-    """Re-emit the forward bindings; returns whether any of them calls call_tir_with_grad."""
-    with_grad = Op.get("relax.call_tir_with_grad")
-    found = False
-    for binding in bindings:
-        bb.emit_normalized(binding)
-        value = binding.value
-        found = found or (isinstance(value, relax.Call) and value.op.same_as(with_grad))
-    return found
+# -- forward program ---------------------------------------------------------------------------
+def _forward_segments(func: Function, general: bool):
+    """The function's blocks as ``[(is_dataflow, bindings)]`` and its return value; in the
+    ``general`` layout every DataflowVar becomes a Var, so later blocks can read it."""
+    segments = [
+        (isinstance(block, relax.DataflowBlock), list(block.bindings))
+        for block in func.body.blocks
+    ]
+    ret = func.body.body
+    if not general:
+        return segments, ret, {}
+    remap: dict = {}
+    out = []
+    normalize = relax.BlockBuilder().normalize
+    for is_dataflow, bindings in segments:
+        new = []
+        for b in bindings:
+            value = substitute(b.value, remap)
+            if not value.same_as(b.value):
+                value = normalize(value)
+            var = b.var
+            if isinstance(var, relax.DataflowVar):
+                var = relax.Var(var.name, var.ty)
+                remap[b.var] = var
+            if isinstance(b, relax.MatchCast):
+                new.append(relax.MatchCast(var, value, b.ty))
+            else:
+                new.append(relax.VarBinding(var, value))
+        out.append((is_dataflow, new))
+    return out, substitute(ret, remap), remap
 
 
-def _lookup(mod: IRModule, func_name: str) -> Function:
-    names = {gv.name_hint: gv for gv in mod.get_global_vars()}
-    if func_name not in names:
-        raise GradientError(
-            f"Gradient: no function named {func_name!r} in the module (it has: "
-            f"{', '.join(sorted(names)) or 'nothing'})"
-        )
-    func = mod[names[func_name]]
-    if not isinstance(func, Function):
-        raise GradientError(
-            f"Gradient: {func_name!r} is a {type(func).__name__}, not a Relax function"
-        )
-    return func
+def _is_general(func: Function) -> bool:
+    """Whether ``func`` is outside TVM's shape (one dataflow block of plain bindings)."""
+    blocks = func.body.blocks
+    return len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock)
+
+
+def _impure(value, mod: IRModule) -> bool:
+    if isinstance(value, relax.If):
+        return True  # control flow lives outside dataflow blocks
+    if not isinstance(value, relax.Call):
+        return False
+    if isinstance(value.op, tvm.ir.Op):
+        return not bool(value.op.get_attr("FPurity"))
+    if isinstance(value.op, relax.GlobalVar):
+        func = mod[value.op]
+        return isinstance(func, Function) and not func.is_pure
+    return True
 
 
 def _var_map(old: Function, new: Function) -> dict:
     """Map the vars of ``old`` to those of its structural copy ``new``."""
     mapping = dict(zip(old.params, new.params))
-    if isinstance(old.body, relax.SeqExpr):
-        for old_block, new_block in zip(old.body.blocks, new.body.blocks):
-            for ob, nb in zip(old_block.bindings, new_block.bindings):
-                mapping[ob.var] = nb.var
+    for old_block, new_block in zip(old.body.blocks, new.body.blocks):
+        for ob, nb in zip(old_block.bindings, new_block.bindings):
+            mapping[ob.var] = nb.var
     return mapping
 
 
-def _single_dataflow_block(func: Function, func_name: str) -> relax.DataflowBlock:
-    body = func.body
-    blocks = body.blocks if isinstance(body, relax.SeqExpr) else []
-    if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
-        kinds = ", ".join(type(b).__name__ for b in blocks) or "none"
-        raise GradientError(
-            f"Gradient: function {func_name} must have exactly one binding block, a dataflow "
-            f"block (R.dataflow()); it has: {kinds}"
-        )
-    for binding in blocks[0].bindings:
-        if not isinstance(binding, relax.VarBinding):
-            raise GradientError(
-                f"Gradient: in function {func_name}, {binding.var.name} is bound by a "
-                f"{type(binding).__name__}; only plain var bindings are supported"
-            )
-    return blocks[0]
+def _resolve_ret(ret, bindings) -> list | None:
+    """The fields of the returned tuple (looking through vars bound to a Tuple), or None."""
+    if isinstance(ret, relax.Tuple):
+        return list(ret.fields)
+    values = {_ty.key(b.var): b.value for b in bindings if isinstance(b, relax.VarBinding)}
+    seen = 0
+    while isinstance(ret, relax.Var) and _ty.key(ret) in values and seen < len(values):
+        value = values[_ty.key(ret)]
+        if isinstance(value, relax.Tuple):
+            return list(value.fields)
+        if not isinstance(value, relax.Var):
+            return None
+        ret, seen = value, seen + 1
+    return None
 
 
-def _target(ret, target_index: int, func_name: str) -> Var:
-    if isinstance(ret, relax.Var):
-        if target_index != 0:
+def _targets(request: Request, ret, bindings) -> list:
+    if request.target_index is None:  # a callee's VJP: the whole return value
+        return [ret]
+    if request.strict:
+        fields = list(ret.fields) if isinstance(ret, relax.Tuple) else None
+    else:
+        fields = _resolve_ret(ret, bindings)
+    name = request.func_name
+    indices = request.target_index
+    if fields is None:
+        if indices != [0]:
             raise GradientError(
-                f"Gradient: function {func_name} returns a single value, so target_index must "
-                f"be 0, not {target_index}"
+                f"Gradient: function {name} returns a single value, so target_index must be 0, "
+                f"not {request.target_index_arg}"
             )
-        target = ret
-    elif isinstance(ret, relax.Tuple):
-        n = len(ret.fields)
-        if not 0 <= target_index < n:
-            raise GradientError(
-                f"Gradient: target_index {target_index} is out of range: function {func_name} "
-                f"returns {n} values"
-            )
-        target = ret.fields[target_index]
+        targets = [ret]
+    else:
+        targets = []
+        for i in indices:
+            if not 0 <= i < len(fields):
+                raise GradientError(
+                    f"Gradient: target_index {i} is out of range: function {name} returns "
+                    f"{len(fields)} values"
+                )
+            targets.append(fields[i])
+    for i, target in zip(indices, targets):
         if not isinstance(target, relax.Var):
             raise GradientError(
-                f"Gradient: the target of function {func_name} must be a Var, but return field "
-                f"{target_index} is {target}"
+                f"Gradient: the target of function {name} must be a Var, but return field "
+                f"{i} is {target}"
             )
-    else:
-        raise GradientError(
-            f"Gradient: function {func_name} must return a Var or a Tuple, not {ret}"
-        )
-    if not (_ty.is_float_tensor(target) and _ty.is_scalar_tensor(target)):
-        raise GradientError(
-            f"Gradient: the target {target.name} of function {func_name} must be a float "
-            f"scalar (0-dim tensor), but has type {target.ty}"
-        )
-    return target
+        if request.seed == "ones":
+            if not (_ty.is_float_tensor(target) and _ty.is_scalar_tensor(target)):
+                raise GradientError(
+                    f"Gradient: the target {target.name} of function {name} must be a float "
+                    f"scalar (0-dim tensor), but has type {target.ty}; for a vector-Jacobian "
+                    "product of a non-scalar target, use Gradient(..., seed=\"param\")"
+                )
+        elif not _ty.nested_all(target.ty, _ty.is_float_tensor):
+            raise GradientError(
+                f"Gradient: the target {target.name} of function {name} must be a float tensor "
+                f"or a tuple of them, but has type {target.ty}"
+            )
+    return targets
 
 
-def _map_require_grads(require_grads: list, var_map: dict, func_name: str) -> list:
-    seen = set()
-    mapped = []
-    for var in require_grads:
-        if not isinstance(var, Var) or var not in var_map:
-            name = var.name if isinstance(var, Var) else repr(var)
-            raise GradientError(
-                f"Gradient: require_grads names {name}, which is not a parameter or a var of "
-                f"function {func_name}"
-            )
-        if var in seen:
-            raise GradientError(
-                f"Gradient: {var.name} appears more than once in require_grads"
-            )
-        seen.add(var)
-        if not _ty.nested_all(var.ty, _ty.is_float_tensor):
-            raise GradientError(
-                f"Gradient: only float tensors or tuples of them can require gradients, but "
-                f"{var.name} of function {func_name} has type {var.ty}"
-            )
-        mapped.append(var_map[var])
-    return mapped
+def _seed_params(request: Request, targets: list) -> list:
+    if request.seed != "param":
+        return []
+    names = [t.name if isinstance(t, relax.Var) else "output" for t in targets]
+    return [relax.Var(f"{n}_grad", _ty.type_of(t)) for n, t in zip(names, targets)]
+
+
+# -- checkpoint decision -----------------------------------------------------------------------
+def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> None:
+    """Set ``info.checkpoints`` with the request's policy; values that cannot be recomputed
+    (match_cast, If, calls of functions, impure calls) are always kept."""
+    if request.checkpoint != "markers":
+        from .policies import decide
+
+        info.checkpoints = decide(request.checkpoint, info, params, targets)
+    if info.checkpoints is None:
+        return
+    for b in info.bindings:
+        value = b.value
+        if (
+            isinstance(b, relax.MatchCast)
+            or isinstance(value, relax.If)
+            or (isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op))
+            or _impure(value, mod)
+        ):
+            info.checkpoints.add(b.var)
+
+
+# -- the whole function ------------------------------------------------------------------------
+def differentiate(
+    mod: IRModule, request: Request, callees: Callees | None, return_result: bool = True
+) -> tuple[Function, IRModule]:
+    """The adjoint function of ``request.func`` (not yet added to any module), and ``mod`` with
+    whatever the rules added to it (e.g. TE gradient kernels)."""
+    func = request.func
+    copied = relax.utils.copy_with_new_vars(func)
+    var_map = _var_map(func, copied)
+    general = _is_general(copied)
+    segments, ret, df_remap = _forward_segments(copied, general)
+
+    bb = relax.BlockBuilder(mod)
+    params = list(copied.params)
+    bb.begin_scope(params)
+    if not general:
+        bb._begin_dataflow_block()
+    blocks = []
+    try:
+        info = strip_markers(bb, params, segments, ret)
+        targets = _targets(request, info.ret, info.bindings)
+        seed_params = _seed_params(request, targets)
+        if seed_params:
+            bb.end_scope()
+            bb.begin_scope(params + seed_params)
+        _decide(request, info, params, targets, mod)
+        if request.require_grads is None:
+            grads = params
+        else:
+            grads = [df_remap.get(var_map[v], var_map[v]) for v in request.require_grads]
+        if general:
+            for is_dataflow, bindings in info.segments:
+                bb._begin_dataflow_block() if is_dataflow else bb._begin_binding_block()
+                _emit_forward(bb, bindings)
+                blocks.append(bb._end_block())
+            backward_dataflow = not any(_impure(b.value, mod) for b in info.bindings)
+            if backward_dataflow:
+                bb._begin_dataflow_block()
+            else:
+                bb._begin_binding_block()
+        else:
+            backward_dataflow = True
+            _emit_forward(bb, info.bindings)
+        if request.seed == "param":
+            seeds = dict(zip(targets, seed_params))
+        else:
+            seeds = {t: relax.op.ones(_ty.shape_of(t), _ty.dtype_of(t)) for t in targets}
+        walk = BackwardWalk(bb, request.func_name, params, info, callees)
+        result = walk.run(
+            seeds, grads, info.ret if return_result else None, dataflow=backward_dataflow
+        )
+    finally:
+        blocks.append(bb._end_block())
+        bb.end_scope()
+    body = bb.normalize(relax.SeqExpr(blocks, result))
+    adjoint = Function(params + seed_params, body, None, copied.is_pure, copied.attrs)
+    if any(is_op(b.value, "relax.call_tir_with_grad") for b in info.bindings):
+        adjoint = lower_call_tir_with_grad(adjoint)
+    adjoint = remove_unused(adjoint)
+    return simplify_gradient(adjoint), bb.get()
+
+
+def _emit_forward(bb: relax.BlockBuilder, bindings) -> None:
+    for binding in bindings:
+        bb.emit_normalized(binding)
+
+
+# -- calls of other functions ------------------------------------------------------------------
+class Callees:
+    """VJP functions of the Relax functions a differentiated function calls, built once each.
+
+    ``<callee>_vjp(params..., output_grad) -> (grads of its float params)`` recomputes the
+    callee's forward and walks it back; every call site reuses it.
+    """
+
+    def __init__(self, mod: IRModule, checkpoint):
+        self.mod = mod
+        self.checkpoint = checkpoint
+        self.done: dict[str, tuple] = {}  # callee name -> (vjp GlobalVar, param indices)
+        self.errors: dict[str, GradientError] = {}
+
+    def prepare(self, func: Function, name: str, stack: tuple = ()) -> None:
+        """Build the VJPs of every function ``func`` calls, callees first."""
+        stack = (*stack, name)
+        for gv in _called_functions(func):
+            callee = gv.name_hint
+            if callee in stack:
+                cycle = " -> ".join([*stack[stack.index(callee):], callee])
+                raise GradientError(
+                    f"Gradient: function {name} calls {callee} recursively ({cycle}); "
+                    "recursive functions cannot be differentiated"
+                )
+            if callee in self.done or callee in self.errors:
+                continue
+            target = self.mod[gv]
+            if not isinstance(target, Function):
+                raise GradientError(
+                    f"Gradient: function {name} calls {callee}, a {type(target).__name__}; "
+                    "only Relax functions can be called"
+                )
+            self.prepare(target, callee, stack)
+            self._build(gv, target)
+
+    def _build(self, gv: relax.GlobalVar, func: Function) -> None:
+        callee = gv.name_hint
+        indices = [
+            i for i, p in enumerate(func.params) if _ty.nested_all(p.ty, _ty.is_float_tensor)
+        ]
+        ret_ty = func.ret_ty if func.ret_ty is not None else _ty.type_of(func.body)
+        if not indices or not _ty.nested_all(ret_ty, _ty.is_float_tensor):
+            self.done[callee] = (None, [])
+            return
+        request = Request(
+            func_name=callee,
+            func=func,
+            require_grads=[func.params[i] for i in indices],
+            target_index=None,
+            target_index_arg=None,
+            seed="param",
+            checkpoint=self.checkpoint,
+            strict=False,
+        )
+        try:
+            vjp, mod = differentiate(self.mod, request, self, return_result=False)
+        except GradientError as err:
+            self.errors[callee] = err
+            return
+        name = _fresh_name(mod, callee + "_vjp")
+        bb = relax.BlockBuilder(mod)
+        vjp_gv = bb.add_func(vjp.with_attr("global_symbol", name), name)
+        self.mod = bb.get()
+        self.done[callee] = (vjp_gv, indices)
+
+    def __call__(self, gv: relax.GlobalVar, caller: str):
+        callee = gv.name_hint
+        if callee in self.errors:
+            err = self.errors[callee]
+            raise GradientError(f"{err} (called from function {caller})") from err
+        return self.done[callee]
+
+
+def _called_functions(func: Function) -> list:
+    found, seen = [], set()
+
+    def visit(call: relax.Call) -> None:
+        if isinstance(call.op, relax.GlobalVar) and call.op.name_hint not in seen:
+            seen.add(call.op.name_hint)
+            found.append(call.op)
+
+    import tvm_ffi
+
+    tvm_ffi.structural_walk(func, [(relax.Call, visit)])
+    return found
+
+
+def _fresh_name(mod: IRModule, name: str) -> str:
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    candidate, i = name, 1
+    while candidate in names:
+        candidate, i = f"{name}{i}", i + 1
+    return candidate
+
+
+_ = free_vars  # re-exported for callers of the old module layout
