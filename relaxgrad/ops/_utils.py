@@ -51,12 +51,14 @@ def count(expr: Expr, axis=None):
 
 
 def scalar(value, like: Expr | str) -> Expr:
-    """``value`` as a scalar of the dtype of ``like``: a constant for a Python number, a prim value
-    (computed at run time) for a tirx expression such as a symbolic :func:`count`."""
+    """``value`` as a 0-d tensor of the dtype of ``like``: a constant for a Python number, else
+    computed at run time from a tirx expression such as a symbolic :func:`count`."""
     if isinstance(value, (int, float)):
         return const(value, like)
     dtype = like if isinstance(like, str) else _ty.dtype_of(like)
-    return relax.prim_value(value if _ty.dtype_of(value) == dtype else tirx.Cast(dtype, value))
+    prim = relax.prim_value(value if _ty.dtype_of(value) == dtype else tirx.Cast(dtype, value))
+    # Relax broadcasts a prim value as a tensor of shape (1,): add it to a 0-d zero, back to 0-d.
+    return relax.op.reshape(relax.op.add(relax.op.zeros((), dtype), prim), ())
 
 
 def numel(expr: Expr):
@@ -68,14 +70,25 @@ def numel(expr: Expr):
     return functools.reduce(operator.mul, dims)
 
 
-def static_dims(expr: Expr, op_name: str) -> tuple[int, ...]:
-    """The dims of ``expr`` as ints; raises GradientError naming ``op_name`` on symbolic dims."""
-    try:
-        return _ty.static_shape(expr)
-    except TypeError:
+def static_dims(expr: Expr, op_name: str, axes=None) -> tuple[int, ...]:
+    """The dims of ``expr`` on ``axes`` (all when None) as ints; raises GradientError naming
+    ``op_name`` where one is symbolic. The dims off ``axes`` (e.g. a batch) may be symbolic."""
+    if axes is None:
+        try:
+            return _ty.static_shape(expr)
+        except TypeError:
+            raise GradientError(
+                f"Gradient: {op_name} has no gradient rule for symbolic shapes "
+                f"({_ty.type_of(expr)})"
+            ) from None
+    dims = [_ty.shape_values(expr)[a] for a in axes]
+    symbolic = [a for a, d in zip(axes, dims) if not isinstance(d, tirx.IntImm)]
+    if symbolic:
         raise GradientError(
-            f"Gradient: {op_name} has no gradient rule for symbolic shapes ({_ty.type_of(expr)})"
-        ) from None
+            f"Gradient: {op_name} has no gradient rule for symbolic dims on axes {symbolic} of "
+            f"{_ty.type_of(expr)} (only other axes, such as a batch, may be symbolic)"
+        )
+    return tuple(int(d) for d in dims)
 
 
 def relayout(expr, src: str, dst: str, op_name: str):

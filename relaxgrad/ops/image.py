@@ -119,7 +119,7 @@ def resize2d_grad(orig_var, orig_call, output_grad, ctx):
     g = relayout(output_grad, layout, "NCHW", name)  # refuses packed layouts
     if _ty.dtype_of(output_grad) != dtype:  # out_dtype
         g = astype(g, dtype)
-    ins, outs = ([static_dims(t, name)[layout.index(c)] for c in "HW"] for t in (x, orig_var))
+    ins, outs = (static_dims(t, name, [layout.index(c) for c in "HW"]) for t in (x, orig_var))
     roi = [float(v) for v in attrs.roi]  # start_h, start_w, end_h, end_w
     rows, cols = (resize_matrix(ins[i], outs[i], attrs, (roi[i], roi[i + 2])) for i in range(2))
     rows_t = relax.const(np.ascontiguousarray(rows.T).astype(dtype), dtype)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 from tvm import relax
 from tvm.relax import Tuple
 from tvm.relax.op import (
     arange,
     astype,
+    broadcast_to,
     collapse_sum_to,
     concat,
     equal,
@@ -30,7 +30,7 @@ from tvm.relax.op.grad import no_grad
 
 from .. import _ty
 from ..errors import GradientError
-from ._utils import const, numel, static_dims
+from ._utils import const, numel
 from .registry import register_gradient, register_no_grad
 
 
@@ -157,13 +157,12 @@ def _batch_coordinates(indices, batch_dims: int):
     a ``gather_nd`` without: the batch coordinates prepended to each index tuple."""
     if batch_dims == 0:
         return indices
-    shape = static_dims(indices, "relax.gather_nd")
-    grid = np.indices(shape[:batch_dims], dtype=_ty.dtype_of(indices))  # (b, B1, ..., Bb)
-    grid = np.moveaxis(grid, 0, -1).reshape(
-        shape[:batch_dims] + (1,) * (len(shape) - batch_dims - 1) + (batch_dims,)
-    )
-    coords = np.broadcast_to(grid, shape[:-1] + (batch_dims,))
-    return concat([relax.const(np.ascontiguousarray(coords), _ty.dtype_of(indices)), indices], -1)
+    dims, dtype = _ty.shape_values(indices), _ty.dtype_of(indices)
+    coords = []
+    for a in range(batch_dims):  # an arange along axis a (its size may be symbolic)
+        shape = [d if i == a else 1 for i, d in enumerate(dims)]
+        coords.append(broadcast_to(reshape(arange(0, dims[a], 1, dtype), shape), dims[:-1] + [1]))
+    return concat(coords + [indices], -1)
 
 
 @register_gradient("relax.gather_nd")

@@ -56,7 +56,7 @@ def cross_entropy_with_logits_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``z = -sum(x * y) / N``; backward: ``[-g / N * y, -g / N * x]``."""
     x, y = orig_call.args
     if _ty.ndim_of(x) > 1:
-        output_grad = output_grad / const(int(_ty.shape_values(x)[0]), output_grad)
+        output_grad = output_grad / scalar(count(x, [0]), output_grad)
     return [-output_grad * y, -output_grad * x]
 
 
@@ -147,10 +147,16 @@ _CONV_OPS = {
 }
 
 
+def _spatial_dims(t, op_name: str) -> tuple[int, ...]:
+    """The spatial dims (after N and C) of ``t`` as ints: a symbolic batch or channel count is
+    fine, symbolic spatial dims are refused (the output padding and crop depend on them)."""
+    return static_dims(t, op_name, range(2, _ty.ndim_of(t)))
+
+
 def _conv_data_grad(x, w, g, conv: _Conv, out_dtype, op_name: str):
     """``dx`` of ``g = conv(x, w)`` (NC.../OI...): the transposed convolution of g by w, with
     output padding for the input rows past the reach of the last output position."""
-    (ins, kernel, grads), nd = (static_dims(t, op_name)[2:] for t in (x, w, g)), len(conv.strides)
+    (ins, kernel, grads), nd = (_spatial_dims(t, op_name) for t in (x, w, g)), len(conv.strides)
     output_padding = tuple(
         ins[i] - ((grads[i] - 1) * conv.strides[i] - conv.padding[i] - conv.padding[nd + i]
                   + conv.dilation[i] * (kernel[i] - 1) + 1)
@@ -166,9 +172,9 @@ def _conv_data_grad(x, w, g, conv: _Conv, out_dtype, op_name: str):
 def _conv_weight_grad(x, w, g, conv: _Conv, out_dtype, op_name: str):
     """``dw`` of ``g = conv(x, w)`` (NC.../OI...): x convolved by g with batch and channels
     swapped (layouts CN.../IO...) and strides and dilation swapped, cropped to the kernel."""
-    batch, _, *ins = static_dims(x, op_name)
-    out_channels, group_channels, *kernel = static_dims(w, op_name)
-    grads, nd = static_dims(g, op_name)[2:], len(ins)
+    batch, (out_channels, group_channels) = _ty.shape_values(x)[0], _ty.shape_values(w)[:2]
+    ins, kernel, grads = (_spatial_dims(t, op_name) for t in (x, w, g))
+    nd = len(ins)
     if conv.groups != 1:  # channels ordered (group, batch); the channel within a group as batch
         x = reshape(x, (batch, conv.groups, group_channels, *ins))
         x = permute_dims(x, [1, 0] + list(range(2, nd + 3)))
@@ -557,7 +563,7 @@ def _unpad_axis(g, axis: int, before: int, after: int, dims: list[int], mode: st
     return grad
 
 
-def _pad_widths(attrs, dims: list[int]) -> list[tuple[int, int]]:
+def _pad_widths(attrs, dims: list) -> list[tuple[int, int]]:
     """``(before, after)`` per axis of a ``pad``, refusing the widths its mode cannot copy from
     (negative ones; reflect: more than n - 1; circular: more than n)."""
     mode, widths = str(attrs.pad_mode), _ints(attrs.pad_width)
@@ -566,6 +572,8 @@ def _pad_widths(attrs, dims: list[int]) -> list[tuple[int, int]]:
         raise GradientError(f"Gradient: relax.nn.pad has no gradient rule for pad_mode={mode!r}")
     pairs = list(zip(widths[::2], widths[1::2]))
     for (before, after), n in zip(pairs, dims):
+        if not (before or after):  # n may be symbolic
+            continue
         too_wide = limit[mode] is not None and max(before, after) > n - limit[mode]
         if min(before, after) < 0 or too_wide:
             raise GradientError(
@@ -578,8 +586,13 @@ def _pad_widths(attrs, dims: list[int]) -> list[tuple[int, int]]:
 @register_gradient("relax.nn.pad")
 def pad_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = pad(x, pad_width, pad_mode)``; backward: ``[g of the x positions, plus for
-    reflect/replicate/circular the g of the pads folded onto the inputs they copy]``."""
-    dims = list(static_dims(orig_call.args[0], "relax.nn.pad"))
+    reflect/replicate/circular the g of the pads folded onto the inputs they copy]``. Only the
+    padded axes need static dims."""
+    x, widths = orig_call.args[0], _ints(orig_call.attrs.pad_width)
+    padded = [a for a in range(_ty.ndim_of(x)) if widths[2 * a] or widths[2 * a + 1]]
+    dims = list(_ty.shape_values(x))
+    for axis, n in zip(padded, static_dims(x, "relax.nn.pad", padded)):
+        dims[axis] = n
     grad = output_grad
     for axis, (before, after) in enumerate(_pad_widths(orig_call.attrs, dims)):
         if before or after:
@@ -617,6 +630,13 @@ def _adaptive_pool_input_grad(g, ins: list[int], outs: list[int], dtype: str):
     return g
 
 
+def _layout_dims(t, src: str, dst: str, op_name: str) -> list:
+    """The dims of ``t`` (in layout ``src``) in the order of layout ``dst`` (NC...): N and C as
+    they are (possibly symbolic), the spatial ones as ints."""
+    order, dims = [src.index(c) for c in dst], _ty.shape_values(t)
+    return [dims[a] for a in order[:2]] + list(static_dims(t, op_name, order[2:]))
+
+
 def _adaptive_avg_pool(op_name: str, nd: int):
     """Register the rule of an ``nd``-D adaptive average pool. It is linear in x, one static
     averaging matrix ``A`` per spatial axis, so ``dx = A^T g`` axis by axis."""
@@ -624,9 +644,8 @@ def _adaptive_avg_pool(op_name: str, nd: int):
 
     def rule(orig_var, orig_call, output_grad, ctx):
         x, attrs = orig_call.args[0], orig_call.attrs
-        in_dims, out_dims = (static_dims(t, op_name) for t in (x, orig_var))
-        ins = [in_dims[str(attrs.layout).index(c)] for c in layout]
-        outs = [out_dims[str(attrs.out_layout).index(c)] for c in layout]
+        ins = _layout_dims(x, str(attrs.layout), layout, op_name)
+        outs = _layout_dims(orig_var, str(attrs.out_layout), layout, op_name)
         grad = relayout(output_grad, attrs.out_layout, layout, op_name)
         grad = _adaptive_pool_input_grad(grad, ins, outs, _ty.dtype_of(x))
         return [relayout(grad, layout, attrs.layout, op_name)]
@@ -669,7 +688,7 @@ def _attention_offset(attrs, q, k) -> int | None:
         return None
     if mask == "TopLeft":
         return 0
-    seq_len, seq_len_kv = (static_dims(t, "relax.nn.attention")[1] for t in (q, k))
+    seq_len, seq_len_kv = (static_dims(t, "relax.nn.attention", [1])[0] for t in (q, k))
     return abs(seq_len - seq_len_kv)
 
 
@@ -682,8 +701,10 @@ def attention_grad(orig_var, orig_call, output_grad, ctx):
     q, k, v, *bias = orig_call.args
     attrs = orig_call.attrs
     offset = _attention_offset(attrs, q, k)
-    head_dim = static_dims(q, "relax.nn.attention")[3]
-    scale = float(attrs.scale) if attrs.scale is not None else 1.0 / np.sqrt(head_dim)
+    if attrs.scale is not None:
+        scale = float(attrs.scale)
+    else:
+        scale = 1.0 / np.sqrt(static_dims(q, "relax.nn.attention", [3])[0])
     scale = const(scale, q)
     to_bhsd = [0, 2, 1, 3]  # its own inverse
     qt, kt, vt, g = (permute_dims(t, to_bhsd) for t in (q, k, v, output_grad))
