@@ -13,7 +13,15 @@ from .. import _ty
 from ..errors import GradientError
 from ..ops import get_gradient
 from ..ops.registry import missing_rule_hint
-from .adjoint import AdjointStore, add_in_tuple, is_no_grad, nested_zeros
+from .adjoint import (
+    AdjointStore,
+    add_in_tuple,
+    combine,
+    is_no_grad,
+    msg_to_expr,
+    nested_zeros,
+    to_msg,
+)
 from .checkpoint import CheckpointInfo, Regenerator
 from .exprs import free_vars, is_op, rename_seq
 
@@ -26,7 +34,7 @@ CalleeVJP = Callable[[relax.GlobalVar, str], tuple[relax.GlobalVar, list[int]]]
 class BackwardWalk:
     """Emits the backward bindings of a list of forward bindings into ``bb``.
 
-    Seeds arrive as a mapping ``{target expr: seed expr}``; adjoints that never arrive stay
+    Seeds arrive as a mapping ``{target expr: seed expr}`` (or pairs); adjoints that never arrive stay
     absent (a symbolic zero) until an output needs them.
     """
 
@@ -49,9 +57,10 @@ class BackwardWalk:
         # vars upstream of an op without rule: walked only to find further such ops
         self.blocked: set[int] = set()
 
-    def walk(self, seeds: dict) -> None:
-        """Seed the adjoints and visit the bindings backwards."""
-        for target, seed in seeds.items():
+    def walk(self, seeds) -> None:
+        """Seed the adjoints (a mapping or ``(target, seed)`` pairs: a target named twice gets
+        the sum) and visit the bindings backwards."""
+        for target, seed in seeds.items() if isinstance(seeds, dict) else seeds:
             self.store.update(target, seed)
         for binding in reversed(self.info.bindings):
             self.visit(binding)
@@ -65,7 +74,7 @@ class BackwardWalk:
                 "Register one with relaxgrad.register_gradient."
             )
 
-    def run(self, seeds: dict, require_grads, orig_ret: Expr | None, dataflow=True) -> Expr:
+    def run(self, seeds, require_grads, orig_ret: Expr | None, dataflow=True) -> Expr:
         """Walk, then return ``(orig_ret, (adjoints...))`` (only the adjoints when
         ``orig_ret`` is None)."""
         self.walk(seeds)
@@ -154,8 +163,12 @@ class BackwardWalk:
             self.store.update(call.args[i], relax.TupleGetItem(grads, j))
 
     def visit_if(self, var: Var, node: relax.If) -> None:
-        """``y = if c then A else B``: an If over the backward of each branch, returning the
-        adjoints of the outer vars the branches read (the condition gets none)."""
+        """``y = if c then A else B``: the backward of both branches, selected leaf by leaf with
+        ``where(c, ...)`` for every outer var the branches read (the condition gets none).
+
+        Both branch backwards are computed (an If over them is not used: TVM 0.27's static
+        memory planner miscompiles Ifs whose branches hold temporaries and return tuples).
+        """
         outer = []
         seen = set()
         for branch in (node.true_branch, node.false_branch):
@@ -163,46 +176,45 @@ class BackwardWalk:
                 if _ty.key(v) not in seen and _ty.nested_all(v.ty, _ty.is_float_tensor):
                     seen.add(_ty.key(v))
                     outer.append(v)
-        cond = self.regen.visit(node.cond)
-        branches = [self._branch_backward(b, outer, self.store[var]) for b in
-                    (node.true_branch, node.false_branch)]
         if not outer:
             return
-        grads = self.bb.emit(relax.If(cond, *branches), var.name + "_if_adjoint")
-        for i, v in enumerate(outer):
-            self.store.update(v, relax.TupleGetItem(grads, i))
+        cond = self.regen.visit(node.cond)
+        seed = self.store[var]
+        taken = self._branch_backward(node.true_branch, outer, seed)
+        other = self._branch_backward(node.false_branch, outer, seed)
+        for v, a, b in zip(outer, taken, other):
+            if a is None and b is None:
+                continue
+            a = nested_zeros(v.ty, v.name) if a is None else a
+            b = nested_zeros(v.ty, v.name) if b is None else b
+            select = combine(to_msg(self.bb.normalize(a)), to_msg(self.bb.normalize(b)),
+                             lambda x, y: relax.op.where(cond, x, y))
+            self.store.update(v, msg_to_expr(select))
 
-    def _branch_backward(self, branch: relax.SeqExpr, outer: list, seed: Expr) -> relax.SeqExpr:
+    def _branch_backward(self, branch: relax.SeqExpr, outer: list, seed: Expr) -> list:
         """The backward of one If branch: recompute its bindings (fresh vars), walk them back
-        from ``seed``, and return the tuple of adjoints of ``outer``."""
+        from ``seed``; the adjoints of ``outer`` (None where absent)."""
         bb = self.bb
         remap = {v: self.regen.visit_var(v) for v in free_vars(branch)}
         copy = rename_seq(branch, remap, plain=True)
-        bb.begin_scope()
-        bb._begin_binding_block()
-        try:
-            bindings = []
-            for block in copy.blocks:
-                for b in block.bindings:
-                    value = bb.normalize(b.value)
-                    if isinstance(b, relax.MatchCast):
-                        b = relax.MatchCast(b.var, value, b.ty)
-                    else:
-                        b = relax.VarBinding(b.var, value)
-                    bb.emit_normalized(b)
-                    bindings.append(b)
-            info = CheckpointInfo([(False, bindings)], copy.body, None)
-            walk = BackwardWalk(bb, self.func_name, [], info, self.callee_vjp)
-            walk.walk({copy.body: seed})
-            outs = []
-            for v in outer:
-                inner = remap.get(v, v)
-                outs.append(walk.store[inner] if inner in walk.store else nested_zeros(v.ty))
-            result = bb.normalize(relax.Tuple(outs))
-        finally:
-            block = bb._end_block()
-            bb.end_scope()
-        return relax.SeqExpr([block], result)
+        bindings = []
+        for block in copy.blocks:
+            for b in block.bindings:
+                value = bb.normalize(b.value)
+                if isinstance(b, relax.MatchCast):
+                    b = relax.MatchCast(b.var, value, b.ty)
+                else:
+                    b = relax.VarBinding(b.var, value)
+                bb.emit_normalized(b)
+                bindings.append(b)
+        info = CheckpointInfo([(False, bindings)], copy.body, None)
+        walk = BackwardWalk(bb, self.func_name, [], info, self.callee_vjp)
+        walk.walk({copy.body: seed})
+        out = []
+        for v in outer:
+            inner = remap.get(v, v)
+            out.append(walk.store[inner] if inner in walk.store else None)
+        return out
 
     def find_missing(self, var: Var, value) -> None:
         """Record ``var = value`` if it calls an op without rule, and keep looking upstream."""

@@ -138,6 +138,10 @@ def _is_general(func: Function) -> bool:
     return len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock)
 
 
+def _differentiable(var) -> bool:
+    return _ty.nested_all(var.ty, _ty.is_float_tensor)
+
+
 def _impure(value, mod: IRModule) -> bool:
     if isinstance(value, relax.If):
         return True  # control flow lives outside dataflow blocks
@@ -202,7 +206,7 @@ def _targets(request: Request, ret, bindings) -> list:
                 )
             targets.append(fields[i])
     for i, target in zip(indices, targets):
-        if not isinstance(target, relax.Var):
+        if not isinstance(target, relax.Var) and (request.strict or request.seed == "ones"):
             raise GradientError(
                 f"Gradient: the target of function {name} must be a Var, but return field "
                 f"{i} is {target}"
@@ -214,7 +218,7 @@ def _targets(request: Request, ret, bindings) -> list:
                     f"scalar (0-dim tensor), but has type {target.ty}; for a vector-Jacobian "
                     "product of a non-scalar target, use Gradient(..., seed=\"param\")"
                 )
-        elif not _ty.nested_all(target.ty, _ty.is_float_tensor):
+        elif not _ty.nested_all(_ty.type_of(target), _ty.is_float_tensor):
             raise GradientError(
                 f"Gradient: the target {target.name} of function {name} must be a float tensor "
                 f"or a tuple of them, but has type {target.ty}"
@@ -277,7 +281,7 @@ def differentiate(
             bb.begin_scope(params + seed_params)
         _decide(request, info, params, targets, mod)
         if request.require_grads is None:
-            grads = params
+            grads = params if request.strict else [p for p in params if _differentiable(p)]
         else:
             grads = [df_remap.get(var_map[v], var_map[v]) for v in request.require_grads]
         if general:
@@ -294,9 +298,9 @@ def differentiate(
             backward_dataflow = True
             _emit_forward(bb, info.bindings)
         if request.seed == "param":
-            seeds = dict(zip(targets, seed_params))
+            seeds = list(zip(targets, seed_params))
         else:
-            seeds = {t: relax.op.ones(_ty.shape_of(t), _ty.dtype_of(t)) for t in targets}
+            seeds = [(t, relax.op.ones(_ty.shape_of(t), _ty.dtype_of(t))) for t in targets]
         walk = BackwardWalk(bb, request.func_name, params, info, callees)
         result = walk.run(
             seeds, grads, info.ret if return_result else None, dataflow=backward_dataflow
@@ -355,9 +359,7 @@ class Callees:
 
     def _build(self, gv: relax.GlobalVar, func: Function) -> None:
         callee = gv.name_hint
-        indices = [
-            i for i, p in enumerate(func.params) if _ty.nested_all(p.ty, _ty.is_float_tensor)
-        ]
+        indices = [i for i, p in enumerate(func.params) if _differentiable(p)]
         ret_ty = func.ret_ty if func.ret_ty is not None else _ty.type_of(func.body)
         if not indices or not _ty.nested_all(ret_ty, _ty.is_float_tensor):
             self.done[callee] = (None, [])
