@@ -34,8 +34,8 @@ CalleeVJP = Callable[[relax.GlobalVar, str], tuple[relax.GlobalVar, list[int]]]
 class BackwardWalk:
     """Emits the backward bindings of a list of forward bindings into ``bb``.
 
-    Seeds arrive as a mapping ``{target expr: seed expr}`` (or pairs); adjoints that never arrive stay
-    absent (a symbolic zero) until an output needs them.
+    Seeds arrive as a mapping ``{target expr: seed expr}`` (or pairs); adjoints that never
+    arrive stay absent (a symbolic zero) until an output needs them.
     """
 
     def __init__(
