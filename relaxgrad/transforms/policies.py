@@ -15,7 +15,7 @@ policy             saves
 ``sqrt``           segment boundaries about every sqrt(n) nodes (Chen et al., 2016)
 ``save_dots``      matmul / conv / einsum outputs; cheap ops are recomputed (JAX)
 ``save_names``     exactly the named nodes (JAX's ``save_only_these_names``)
-``budget``         the least recompute cost whose saved bytes fit a byte budget (knapsack)
+``budget``         the least recompute cost whose saved (or peak) bytes fit a byte budget
 =================  ==========================================================================
 
 :func:`resolve` maps the ``checkpoint=`` option of :func:`relaxgrad.Gradient` to a policy;
@@ -444,8 +444,8 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
 
     def policy(program: Program) -> frozenset:
         if model == "saved":
-            return _fill(program, set(), capacity)
-        fill = _Filler(program)
+            return _Filler(program, MAX_DP_CELLS)(set(), capacity)
+        fill = _Filler(program, MAX_DP_CELLS // 32)
         starts = [_segment(program, capacity * k // 16) for k in range(1, 16)]
         starts += [fill(set(), capacity * k // 16) for k in range(1, 17)]
         best = None
@@ -463,22 +463,12 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
     return policy
 
 
-def _fill(program: Program, saved: set, capacity: int) -> frozenset:
-    """``saved`` plus the costliest other intermediates whose bytes fit ``capacity``."""
-    items = [i for i, n in enumerate(program.nodes) if i not in saved
-             and program.intermediate[i] and n.op not in ALIAS_OPS and n.cost > 0]
-    free = [i for i in items if program.nodes[i].nbytes == 0]
-    paid = [i for i in items if program.nodes[i].nbytes > 0]
-    chosen, _ = knapsack([program.nodes[i].nbytes for i in paid],
-                         [program.nodes[i].cost for i in paid], capacity)
-    return _finish(program, [*saved, *free, *(paid[k] for k in chosen)])
-
-
 class _Filler:
-    """:func:`_fill` for many starts: exact while the knapsack is small, else greedy in one
-    order computed once."""
+    """Adds to a save set the costliest other intermediates whose bytes fit a capacity: by
+    :func:`knapsack` while its dynamic program has at most ``max_cells`` cells, else greedily
+    in one order computed once (for many calls)."""
 
-    def __init__(self, program: Program, max_cells: int = MAX_DP_CELLS // 32):
+    def __init__(self, program: Program, max_cells: int):
         self.program, self.max_cells = program, max_cells
         nodes = program.nodes
         items = [i for i, n in enumerate(nodes)
