@@ -14,16 +14,32 @@ from .. import _ty
 from ..errors import GradientError
 
 
-def fit_shape(ctx: BlockBuilder, grad: Expr, like: Expr) -> Expr:
+def fit_shape(ctx: BlockBuilder, grad: Expr, like: Expr, op_name: str = "an op") -> Expr:
     """``grad`` reduced to the shape of ``like``: itself if the shapes already match, else
-    ``collapse_sum_to(grad, like.shape)`` (undoes broadcasting)."""
-    target = _ty.shape_of(like)
-    got = _ty.shape_of(ctx.normalize(grad))
+    ``collapse_sum_to(grad, like.shape)`` (undoes broadcasting). A shape given by a var (e.g.
+    ``zeros(shape_of(x))``) is read from the var's type; a GradientError naming ``op_name`` is
+    raised when ``like``'s shape is unknown."""
+    target = _known_shape(like)
+    if target is None:
+        raise GradientError(
+            f"Gradient: {op_name} has no gradient rule for an operand of unknown shape "
+            f"({_ty.type_of(like)})"
+        )
+    got = _known_shape(ctx.normalize(grad))
     if got is not None and (
         tvm_ffi.structural_equal(got, target) or _same_shape(got.values, target.values)
     ):
         return grad
     return relax.op.collapse_sum_to(grad, target)
+
+
+def _known_shape(expr: Expr) -> relax.ShapeExpr | None:
+    """The shape of tensor ``expr`` as a ShapeExpr, or None when its type does not give it."""
+    shape = _ty.shape_of(expr)
+    if shape is None or isinstance(shape, relax.ShapeExpr):
+        return shape
+    values = getattr(_ty.type_of(shape), "values", None)  # a shape var of a known shape
+    return None if values is None else relax.ShapeExpr(values)
 
 
 def _same_shape(lhs, rhs) -> bool:

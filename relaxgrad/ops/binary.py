@@ -2,20 +2,47 @@
 
 from __future__ import annotations
 
-from tvm.relax.op import divide, exp, floor, greater_equal, less, log, trunc, where
+from tvm.relax.op import (
+    add,
+    divide,
+    exp,
+    floor,
+    greater_equal,
+    less,
+    log,
+    reshape,
+    trunc,
+    where,
+)
+from tvm.relax.op.grad import no_grad
 
+from .. import _ty
 from ._utils import const, fit_shape
 from .registry import register_gradient, register_no_grad
 
 
+def _as_tensor(ctx, arg):
+    """``arg``, or a prim value (``R.prim_value(2.0)``) made a 0-d tensor: ``0 + arg`` (of shape
+    ``(1,)``: Relax broadcasts a prim value so) reshaped to ``()``."""
+    if _ty.is_tensor(arg):
+        return arg
+    return ctx.normalize(reshape(add(const(0, arg), arg), ()))
+
+
 def _binary(fn):
     """Build a rule from ``fn(x, y, z, g) -> (dx, dy)``; each partial is reduced to its input's
-    shape (undoing broadcasting)."""
+    shape (undoing broadcasting). An operand that is not a tensor (a ``PrimValue`` such as the
+    ``2.0`` of ``multiply(x, R.prim_value(2.0))``) gets ``no_grad``; ``fn`` sees it as a 0-d
+    tensor."""
 
     def rule(orig_var, orig_call, output_grad, ctx):
-        x, y = orig_call.args
-        dx, dy = fn(x, y, orig_var, output_grad)
-        return [fit_shape(ctx, dx, x), fit_shape(ctx, dy, y)]
+        op_name = str(orig_call.op.name)
+        args = orig_call.args
+        partials = fn(*[_as_tensor(ctx, arg) for arg in args], orig_var, output_grad)
+        return [
+            fit_shape(ctx, d, arg, op_name) if _ty.is_tensor(arg) else no_grad(arg)
+            for d, arg in zip(partials, args, strict=True)
+        ]
 
     rule.__doc__ = fn.__doc__
     return rule

@@ -2,43 +2,71 @@
 
 from __future__ import annotations
 
-from tvm import relax
+import numpy as np
+from tvm import relax, tirx
 from tvm.relax.op import clip, flip, floor_mod, reshape, strided_slice, zeros
 from tvm.relax.op.grad import no_grad, take_backward
 from tvm.relax.op.nn import pad
 
 from .. import _ty
 from ..errors import GradientError
-from ._utils import static_dims
+from ._utils import scalar, static_dims
 from .registry import register_gradient
 
 
-def _read_indices(indices, mode: str, size):
-    """The in-range indices that ``take`` in ``mode`` reads along an axis of ``size``."""
-    if mode == "fast":
-        return indices
+def _read_indices(indices, mode: str, size, dtype: str):
+    """The in-range indices (of ``dtype``) that ``take`` in ``mode`` reads along an axis of
+    ``size``: clipped ("clip"), wrapped ("wrap") or as given ("fast", which promises in-range
+    indices).
+
+    Constant indices are mapped here, in numpy, and in "fast" mode negative ones count from the
+    end: TVM's PyTorch importer emits ``take(x, -1, axis=1, mode="fast")`` for ``x[:, -1]``, and
+    take_backward would write out of bounds for it (TVM's forward reads out of bounds there).
+    Non-constant "fast" indices are left as they are, as TVM's own gradient does.
+    """
+    if mode not in ("fast", "clip", "wrap"):
+        raise GradientError(f"Gradient: relax.take has no gradient for mode={mode!r}")
+    size = int(size) if isinstance(size, tirx.IntImm) else size
+    if isinstance(indices, _ty.Constant) and isinstance(size, int):
+        values = indices.value.numpy()
+        if mode == "clip":
+            values = np.clip(values, 0, size - 1)
+        else:  # wrap, and fast: in-range negative indices count from the end either way
+            values = np.mod(values, size)
+        return relax.const(values.astype(dtype), dtype)
     if mode == "clip":
         return clip(indices, relax.prim_value(0), relax.prim_value(size - 1))
     if mode == "wrap":
-        return floor_mod(indices, relax.const(int(size), _ty.dtype_of(indices)))
-    raise GradientError(f"Gradient: relax.take has no gradient for mode={mode!r}")
+        return floor_mod(indices, scalar(size, dtype))
+    return indices
+
+
+def _flatten(indices):
+    """``indices`` as a 1-D tensor (a constant stays a constant)."""
+    if isinstance(indices, _ty.Constant):
+        values = indices.value.numpy().reshape(-1)
+        return relax.const(values, _ty.dtype_of(indices))
+    return reshape(indices, [-1])
 
 
 @register_gradient("relax.take")
 def take_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = take(x, indices, axis)``; backward: ``[take_backward(g, x, indices, axis),
-    no_grad]``, with ``g`` and the indices flattened to the 1-D indices take_backward needs."""
+    """Forward: ``y = take(x, indices, axis, mode)``; backward: ``[take_backward(g, x, read,
+    axis), no_grad]``, where ``read`` are the in-range positions y reads (see
+    :func:`_read_indices`: clipped, wrapped, or negative ones counted from the end in "fast"
+    mode), with ``g`` and the indices flattened to the 1-D indices take_backward needs."""
     x, indices = orig_call.args
+    dtype = _ty.dtype_of(indices)
     axis = orig_call.attrs.axis
     if axis is not None:
         axis = int(axis) % _ty.ndim_of(x)  # take_backward needs a non-negative axis
     dims = _ty.shape_values(x)
     at = axis or 0
-    read = _read_indices(indices, str(orig_call.attrs.mode), dims[at])
-    if _ty.ndim_of(indices) != 1:
-        read = reshape(read, [-1])
+    if _ty.ndim_of(indices) != 1:  # flattened before clip/wrap: reshape needs a normalized arg
+        indices = _flatten(indices)
         output_grad = reshape(output_grad, dims[:at] + [-1] + dims[at + 1 :])
-    return [take_backward(output_grad, x, read, axis), no_grad(indices)]
+    read = _read_indices(indices, str(orig_call.attrs.mode), dims[at], dtype)
+    return [take_backward(output_grad, x, read, axis), no_grad(orig_call.args[1])]
 
 
 def _slice_positions(call, dims) -> dict[int, range]:

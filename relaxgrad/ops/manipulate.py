@@ -21,16 +21,19 @@ from tvm.relax.op import (
     scatter_nd,
     split,
     squeeze,
+    strided_slice,
     sum,
     take,
     where,
     zeros_like,
 )
 from tvm.relax.op.grad import no_grad
+from tvm.relax.op.nn import pad
+from tvm.sym import Analyzer
 
 from .. import _ty
 from ..errors import GradientError
-from ._utils import const, numel
+from ._utils import const, numel, static_dims
 from .registry import register_gradient, register_no_grad
 
 
@@ -48,13 +51,21 @@ def permute_dims_grad(orig_var, orig_call, output_grad, ctx):
 
 @register_gradient("relax.concat")
 def concat_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = concat((x1, ..., xn), axis)``; backward: ``[split(g, offsets, axis)]``."""
+    """Forward: ``y = concat((x1, ..., xn), axis)``; backward: ``[split(g, offsets, axis)]``.
+
+    ``split`` cannot express every concat: of a single input (``split(g, [])`` is a tensor, not
+    a 1-tuple) or with an empty input (its offsets repeat); those get one ``strided_slice`` of g
+    per input instead."""
     axis = int(orig_call.attrs.axis)
-    indices = []
-    for field in _ty.tuple_fields(orig_call.args[0])[:-1]:
-        size = _ty.shape_values(field)[axis]
-        indices.append(size if not indices else indices[-1] + size)
-    return [split(output_grad, indices, axis)]
+    sizes = [_ty.shape_values(field)[axis] for field in _ty.tuple_fields(orig_call.args[0])]
+    offsets = [sizes[0]]
+    for size in sizes[1:]:
+        offsets.append(offsets[-1] + size)
+    analyzer = Analyzer()
+    if len(sizes) > 1 and not any(analyzer.can_prove_equal(size, 0) for size in sizes):
+        return [split(output_grad, offsets[:-1], axis)]
+    begins = [0] + offsets[:-1]
+    return [Tuple([strided_slice(output_grad, [axis], [b], [e]) for b, e in zip(begins, offsets)])]
 
 
 @register_gradient("relax.split")
@@ -146,10 +157,29 @@ register_no_grad(["relax.one_hot"])  # of integer indices; on/off values are pri
 @register_gradient("relax.gather_elements")
 def gather_elements_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = gather_elements(x, indices, axis)``; backward:
-    ``[scatter_elements(zeros_like(x), indices, g, axis, "add"), no_grad]``."""
+    ``[scatter_elements(zeros_like(x), indices, g, axis, "add"), no_grad]``.
+
+    ``indices`` may be smaller than x on the other axes, but TVM's scatter_elements kernels
+    assume they agree there (they place the values in the wrong rows otherwise), so ``indices``
+    and ``g`` are first padded to x's size on those axes: the padding adds zeros at index 0."""
     x, indices = orig_call.args
-    axis = orig_call.attrs.axis
-    return [scatter_elements(zeros_like(x), indices, output_grad, axis, "add"), no_grad(indices)]
+    ndim = _ty.ndim_of(x)
+    axis = int(orig_call.attrs.axis) % ndim
+    x_dims, index_dims = _ty.shape_values(x), _ty.shape_values(indices)
+    analyzer = Analyzer()
+    if any(
+        a != axis and not analyzer.can_prove_equal(d, i)
+        for a, (d, i) in enumerate(zip(x_dims, index_dims))
+    ):
+        x_dims = static_dims(x, "relax.gather_elements")
+        index_dims = static_dims(indices, "relax.gather_elements")
+        widths = [0] * (2 * ndim)
+        for a in range(ndim):
+            if a != axis:
+                widths[2 * a + 1] = x_dims[a] - index_dims[a]
+        indices, output_grad = pad(indices, widths), pad(output_grad, widths)
+    scattered = scatter_elements(zeros_like(x), indices, output_grad, axis, "add")
+    return [scattered, no_grad(orig_call.args[1])]
 
 
 def _batch_coordinates(indices, batch_dims: int):

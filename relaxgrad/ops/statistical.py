@@ -161,7 +161,10 @@ def prod_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = prod(x, axis, keepdims)``; backward: ``[g * prod(others)]``, the product
     of the other elements of each group (no division: exact where x has zeros)."""
     x = orig_call.args[0]
-    others = _product_of_others(x, _reduced_axes(x, orig_call.attrs.axis))
+    axes = _reduced_axes(x, orig_call.attrs.axis)
+    if not axes:  # a 0-d x or axis=[]: nothing is reduced, y = x
+        return [output_grad]
+    others = _product_of_others(x, axes)
     return [_restore_axes(output_grad, orig_call) * others]
 
 
