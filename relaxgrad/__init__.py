@@ -3,13 +3,16 @@
 from .errors import GradientError
 from .ops import get_gradient, register_gradient, registered_ops
 from .pipeline import compile
-from .transforms import Gradient
+from .transforms import Gradient, custom_gradient, split_info, stop_gradient
 
 __all__ = [
     "Gradient",
     "GradientError",
     "compile",
+    "custom_gradient",
     "get_gradient",
     "register_gradient",
     "registered_ops",
+    "split_info",
+    "stop_gradient",
 ]

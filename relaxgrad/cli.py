@@ -58,6 +58,17 @@ def _grad(args) -> int:
     require = None
     if args.require_grads:
         require = _vars_by_name(mod[args.func], args.require_grads, args.func)
+    if getattr(args, "split", False):
+        from .transforms.split import split_info
+
+        out = Gradient(args.func, require, args.target_index, split=True)(mod)
+        if args.all:
+            print(out.script())
+        else:
+            print(out[args.func + "_fwd"].script())
+            print(out[args.func + "_bwd"].script())
+        print(split_info(out, args.func))
+        return 0
     out = Gradient(args.func, require, args.target_index)(mod)
     print(out.script() if args.all else out[args.func + "_adjoint"].script())
     return 0
@@ -119,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     grad = sub.add_parser("grad", help="print the adjoint function as TVMScript")
     add_common(grad)
     grad.add_argument("--all", action="store_true", help="print the whole module")
+    grad.add_argument("--split", action="store_true",
+                      help="print <func>_fwd and <func>_bwd and the residuals they pass")
     grad.set_defaults(run=_grad)
 
     check = sub.add_parser("check", help="check gradients against finite differences")

@@ -1,6 +1,15 @@
 """relaxgrad's passes."""
 
+from .custom import custom_gradient, stop_gradient
 from .gradient import Gradient
 from .lower import LowerCallTIRWithGrad
+from .split import SplitInfo, split_info
 
-__all__ = ["Gradient", "LowerCallTIRWithGrad"]
+__all__ = [
+    "Gradient",
+    "LowerCallTIRWithGrad",
+    "SplitInfo",
+    "custom_gradient",
+    "split_info",
+    "stop_gradient",
+]

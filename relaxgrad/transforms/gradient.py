@@ -18,6 +18,7 @@ from .._module import with_function
 from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
+from .custom import CUSTOM_GRADIENT_ATTR, custom_vjp
 from .exprs import free_vars, is_op, substitute
 from .lower import lower_call_tir_with_grad
 from .simplify import remove_unused, simplify_gradient
@@ -34,6 +35,7 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
     seed: str = "ones",
     checkpoint="markers",
     strict: bool = True,
+    split: bool = False,
 ) -> tvm.ir.transform.Pass:
     """Reverse-mode automatic differentiation of a Relax function.
 
@@ -63,6 +65,9 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
         a return value bound to a tuple), so that this pass is a drop-in replacement for
         TVM's, errors included. False: differentiate any number of blocks (dataflow or not),
         ``If``, ``match_cast``, and look through a returned var bound to a tuple.
+    split : bool
+        True: add ``<func_name>_fwd`` and ``<func_name>_bwd`` instead of the adjoint (see
+        :mod:`relaxgrad.transforms.split`; one dataflow block only).
 
     Returns
     -------
@@ -70,6 +75,10 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
         A module pass named "Gradient".
     """
     args = validate_arguments(func_name, require_grads, target_index, seed, checkpoint, strict)
+    if split:
+        from .split import SplitGradient
+
+        return SplitGradient(args)
     return _GradientPass(args)
 
 
@@ -256,10 +265,16 @@ def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> Non
 
 # -- the whole function ------------------------------------------------------------------------
 def differentiate(
-    mod: IRModule, request: Request, callees: Callees | None, return_result: bool = True
+    mod: IRModule,
+    request: Request,
+    callees: Callees | None,
+    return_result: bool = True,
+    forward_keys: set | None = None,
 ) -> tuple[Function, IRModule]:
     """The adjoint function of ``request.func`` (not yet added to any module), and ``mod`` with
-    whatever the rules added to it (e.g. TE gradient kernels)."""
+    whatever the rules added to it (e.g. TE gradient kernels). ``forward_keys``, when given,
+    receives the ``_ty.key`` of every var the re-emitted forward bindings define (split mode
+    partitions the adjoint with it)."""
     func = request.func
     copied = relax.utils.copy_with_new_vars(func)
     var_map = _var_map(func, copied)
@@ -280,6 +295,8 @@ def differentiate(
             bb.end_scope()
             bb.begin_scope(params + seed_params)
         _decide(request, info, params, targets, mod)
+        if forward_keys is not None:
+            forward_keys.update(_ty.key(b.var) for b in info.bindings)
         if request.require_grads is None:
             grads = params if request.strict else [p for p in params if _differentiable(p)]
         else:
@@ -354,6 +371,11 @@ class Callees:
                     f"Gradient: function {name} calls {callee}, a {type(target).__name__}; "
                     "only Relax functions can be called"
                 )
+            if target.attrs is not None and CUSTOM_GRADIENT_ATTR in target.attrs:
+                indices = [i for i, p in enumerate(target.params) if _differentiable(p)]
+                self.mod, vjp_gv, indices = custom_vjp(self.mod, gv, target, indices)
+                self.done[callee] = (vjp_gv, indices)
+                continue
             self.prepare(target, callee, stack)
             self._build(gv, target)
 

@@ -1,0 +1,212 @@
+"""Split mode: Gradient(..., split=True) emits <f>_fwd and <f>_bwd; the residuals follow the
+checkpoint policy. Every gradient is checked against finite differences on compiled code."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import relaxgrad
+from relaxgrad import GradientError
+from relaxgrad.cli import main as cli_main
+
+
+def _vm(mod):
+    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+
+
+def _t(a):
+    return tvm.runtime.tensor(np.asarray(a))
+
+
+def _fd(f, inputs, i, eps=1e-6):
+    """Central-difference gradient of the scalar ``f(*inputs)`` w.r.t. ``inputs[i]``."""
+    x = inputs[i]
+    grad = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape):
+        vals = []
+        for sign in (1, -1):
+            moved = x.copy()
+            moved[idx] += sign * eps
+            args = list(inputs)
+            args[i] = moved
+            vals.append(f(*args))
+        grad[idx] = (vals[0] - vals[1]) / (2 * eps)
+    return grad
+
+
+def _split_grads(mod, inputs, seeds=()):
+    vm = _vm(mod)
+    out, residuals = vm["main_fwd"](*[_t(a) for a in inputs])
+    grads = vm["main_bwd"](*list(residuals), *[_t(s) for s in seeds])
+    return out, [g.numpy() for g in grads], vm
+
+
+@I.ir_module
+class MLP:
+    @R.function
+    def main(
+        x: R.Tensor((4, 3), "float64"),
+        w1: R.Tensor((3, 5), "float64"),
+        w2: R.Tensor((5, 2), "float64"),
+    ):
+        with R.dataflow():
+            h = R.tanh(R.matmul(x, w1))
+            s = R.sigmoid(R.matmul(h, w2))
+            e = R.exp(s)
+            loss = R.sum(R.multiply(e, e))
+            R.output(loss)
+        return loss
+
+
+@I.ir_module
+class Marked:
+    @R.function
+    def main(x: R.Tensor((3, 4), "float64"), w: R.Tensor((4, 4), "float64")):
+        with R.dataflow():
+            a = R.grad.start_checkpoint(x)
+            b = R.tanh(R.matmul(a, w))
+            c = R.sin(b)
+            d = R.grad.end_checkpoint(c)
+            e = R.exp(d)
+            loss = R.sum(R.multiply(e, e))
+            R.output(loss)
+        return loss
+
+
+@I.ir_module
+class Vector:  # a non-scalar target: seed="param" makes <f>_bwd take its output gradient
+    @R.function
+    def main(x: R.Tensor((3,), "float64"), w: R.Tensor((3, 3), "float64")):
+        with R.dataflow():
+            y = R.tanh(R.matmul(w, x))
+            z = R.multiply(y, x)
+            R.output(z)
+        return z
+
+
+def _inputs(func, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, [int(d) for d in p.ty.shape]) for p in func.params]
+
+
+@pytest.mark.parametrize("checkpoint", ["markers", "sqrt", "save_dots", []])
+def test_split_mlp_matches_finite_differences(checkpoint):
+    mod = relaxgrad.Gradient("main", split=True, checkpoint=checkpoint)(MLP)
+    inputs = _inputs(MLP["main"])
+    out, grads, vm = _split_grads(mod, inputs)
+
+    def f(*args):
+        return float(vm["main"](*[_t(a) for a in args]).numpy())
+
+    assert np.isclose(float(out.numpy()), f(*inputs))
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+
+
+def test_split_equals_the_adjoint_and_adds_no_adjoint():
+    mod = relaxgrad.Gradient("main", split=True)(MLP)
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    assert names == {"main", "main_fwd", "main_bwd"}
+    relax.analysis.well_formed(mod)
+    inputs = _inputs(MLP["main"], seed=1)
+    _, grads, _ = _split_grads(mod, inputs)
+    adj = _vm(relaxgrad.Gradient("main")(MLP))["main_adjoint"]
+    _, ref = adj(*[_t(a) for a in inputs])
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g, r.numpy(), rtol=1e-12)
+
+
+def test_residuals_follow_the_checkpoint_policy():
+    saved_all = relaxgrad.split_info(relaxgrad.Gradient("main", split=True)(MLP), "main")
+    names = [r.name for r in saved_all.residuals if not r.is_param]
+    assert "h" in names and "e" in names
+    sqrt = relaxgrad.split_info(relaxgrad.Gradient("main", split=True, checkpoint="sqrt")(MLP))
+    assert sqrt.total_bytes < saved_all.total_bytes
+    nothing = relaxgrad.split_info(  # save no name: recompute everything
+        relaxgrad.Gradient("main", split=True, checkpoint=[])(MLP), "main"
+    )
+    assert [r.is_param for r in nothing.residuals] == [True] * len(nothing.residuals)
+    assert nothing.total_bytes == 0
+    assert saved_all.total_bytes == sum(r.nbytes for r in saved_all.residuals if not r.is_param)
+    assert saved_all.total_bytes > 0
+    h = next(r for r in saved_all.residuals if r.name == "h")
+    assert (h.shape, h.dtype, h.nbytes) == ((4, 5), "float64", 4 * 5 * 8)
+    assert "saved:" in str(saved_all)
+
+
+def test_markers_save_only_checkpointed_values_and_recompute_the_rest():
+    mod = relaxgrad.Gradient("main", split=True)(Marked)
+    info = relaxgrad.split_info(mod, "main")
+    saved = {r.name for r in info.residuals if not r.is_param}
+    assert "b" not in saved  # between the markers: recomputed inside main_bwd
+    assert "e" in saved  # reads only the end of the segment: kept
+    bwd_names = {b.var.name for b in mod["main_bwd"].body.blocks[0].bindings}
+    assert "b_cp" in bwd_names
+    inputs = _inputs(Marked["main"], seed=2)
+    _, grads, vm = _split_grads(mod, inputs)
+
+    def f(*args):
+        return float(vm["main"](*[_t(a) for a in args]).numpy())
+
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+
+
+def test_seed_param_bwd_takes_the_output_gradient():
+    mod = relaxgrad.Gradient("main", split=True, seed="param")(Vector)
+    bwd = mod["main_bwd"]
+    assert bwd.params[-1].name == "z_grad"
+    inputs = _inputs(Vector["main"], seed=3)
+    seed = np.random.default_rng(4).uniform(-1, 1, 3)
+    out, grads, vm = _split_grads(mod, inputs, [seed])
+    np.testing.assert_allclose(out.numpy(), vm["main"](*[_t(a) for a in inputs]).numpy())
+
+    def f(*args):  # <seed, main(args)>
+        return float(np.dot(seed, vm["main"](*[_t(a) for a in args]).numpy()))
+
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+
+
+def test_split_refuses_several_blocks():
+    @I.ir_module
+    class Blocks:
+        @R.function
+        def main(x: R.Tensor((3,), "float64")):
+            with R.dataflow():
+                a = R.tanh(x)
+                R.output(a)
+            loss = R.sum(a)
+            return loss
+
+    with pytest.raises(GradientError, match="one dataflow block"):
+        relaxgrad.Gradient("main", split=True, strict=False)(Blocks)
+
+
+def test_split_info_without_split_mode():
+    with pytest.raises(GradientError, match="split=True"):
+        relaxgrad.split_info(MLP, "main")
+
+
+def test_cli_split_prints_residuals(tmp_path, capsys):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from tvm.script import ir as I\n"
+        "from tvm.script import relax as R\n\n"
+        "@I.ir_module\n"
+        "class M:\n"
+        "    @R.function\n"
+        "    def main(x: R.Tensor((3,), 'float32')):\n"
+        "        with R.dataflow():\n"
+        "            y = R.tanh(x)\n"
+        "            loss = R.sum(R.multiply(y, y))\n"
+        "            R.output(loss)\n"
+        "        return loss\n"
+    )
+    assert cli_main(["grad", str(path), "--split"]) == 0
+    out = capsys.readouterr().out
+    assert "main_fwd" in out and "main_bwd" in out
+    assert "y: (3) float32, 12 bytes" in out
