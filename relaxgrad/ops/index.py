@@ -80,8 +80,9 @@ def _slice_positions(call, dims) -> dict[int, range]:
     for axis, b, e, s in zip(axes, begin, end, strides):
         axis %= len(dims)
         positions[axis] = range(*slice(b, e, s).indices(dims[axis]))
-    got = [len(positions.get(a, range(d))) for a, d in enumerate(dims)]
-    if got != list(_ty.static_shape(call.ty)):
+    sliced = sorted(positions)
+    got = static_dims(call, "relax.strided_slice", sliced)
+    if [len(positions[a]) for a in sliced] != list(got):
         raise GradientError(
             f"Gradient: relax.strided_slice: cannot map the slice {call} to positions of x"
         )
@@ -104,12 +105,16 @@ def strided_slice_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = x[begin:end:strides]`` on ``axes``; backward: ``[g spread to the read
     positions with zeros elsewhere (flip, interleave, pad), no_grad...]``."""
     x = orig_call.args[0]
-    dims = list(static_dims(x, "relax.strided_slice"))
+    dims = list(_ty.shape_values(x))  # symbolic ones only on axes not sliced
+    sliced = sorted({int(a) % len(dims) for a in orig_call.args[1].fields})
+    for axis, n in zip(sliced, static_dims(x, "relax.strided_slice", sliced)):
+        dims[axis] = n
     positions = _slice_positions(orig_call, dims)
     no_grads = [no_grad(arg) for arg in orig_call.args[1:]]
     if any(len(p) == 0 for p in positions.values()):
         return [zeros(_ty.shape_of(x), _ty.dtype_of(x)), *no_grads]
-    grad, grad_dims = output_grad, [len(positions.get(a, range(d))) for a, d in enumerate(dims)]
+    grad_dims = [len(positions[a]) if a in positions else d for a, d in enumerate(dims)]
+    grad = output_grad
     widths = [0] * (2 * len(dims))
     for axis, read in positions.items():
         if read.step < 0:

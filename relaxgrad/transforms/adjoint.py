@@ -71,15 +71,41 @@ def combine(lhs: Msg, rhs: Msg, fn: Callable[[Expr, Expr], Expr]) -> Msg:
     raise GradientError(f"Gradient: cannot add adjoints of different structure: {lhs} and {rhs}")
 
 
-def decompose(expr: Expr, msg: Msg, visit_leaf: Callable[[Expr, Msg], None]) -> None:
-    """Walk ``expr`` (maybe a tuple literal) and ``msg`` together, calling ``visit_leaf``."""
+def decompose(expr: Expr, msg: Msg | Expr, visit_leaf: Callable[[Expr, Msg], None]) -> None:
+    """Walk ``expr`` (maybe a tuple literal) and ``msg`` together, calling ``visit_leaf``.
+
+    ``msg`` may also be a tuple-typed Expr: it is split one level at a time, as deep as the
+    literal ``expr`` goes (so a deep tuple adjoint costs O(1) per literal level, not O(depth)).
+    """
     if isinstance(expr, relax.Tuple):
-        if not isinstance(msg, tuple) or len(msg) != len(expr.fields):
+        fields = _msg_fields(msg, len(expr.fields))
+        if fields is None:
             raise GradientError(f"Gradient: adjoint {msg} does not match the tuple {expr}")
-        for field, sub in zip(expr.fields, msg):
+        for field, sub in zip(expr.fields, fields):
             decompose(field, sub, visit_leaf)
     else:
         visit_leaf(expr, msg)
+
+
+def _msg_fields(msg, n: int):
+    """The ``n`` field messages of a tuple message (a python tuple or a tuple-typed Expr)."""
+    if isinstance(msg, tuple):
+        return msg if len(msg) == n else None
+    if isinstance(msg, relax.Tuple):
+        return list(msg.fields) if len(msg.fields) == n else None
+    if isinstance(msg, Expr) and _ty.is_tuple(msg) and len(_ty.tuple_fields(msg)) == n:
+        return [relax.TupleGetItem(msg, i) for i in range(n)]
+    return None
+
+
+def fold(msg) -> Expr:
+    """The expr of a message; a literal ``(t[0], ..., t[n-1])`` of one var ``t`` folds to ``t``
+    (through nested literals only, never through types)."""
+    if isinstance(msg, tuple):
+        return msg_to_expr(msg)
+    if isinstance(msg, relax.Tuple):
+        return msg_to_expr(tuple(fold(f) if isinstance(f, relax.Tuple) else f for f in msg.fields))
+    return msg
 
 
 def tuple_aware_add(lhs: Expr, rhs: Expr) -> Expr:
@@ -136,11 +162,11 @@ class AdjointStore:
     def update(self, expr: Expr, partial: Expr) -> None:
         """Add ``partial`` to the adjoint of ``expr`` (a var, constant, or tuple of them)."""
         bb = self.bb
-        msg = to_msg(bb.normalize(partial))
+        msg = bb.normalize(partial)
 
         def visit_leaf(leaf: Expr, leaf_msg: Msg) -> None:
             if isinstance(leaf, relax.Var):
-                value = bb.normalize(msg_to_expr(leaf_msg))
+                value = bb.normalize(fold(leaf_msg))
                 if leaf in self:
                     value = tuple_aware_add(self[leaf], value)
                 self.emit(leaf, value)

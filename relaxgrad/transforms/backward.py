@@ -259,8 +259,10 @@ class BackwardWalk:
                 "must be a Var of tuple type"
             )
         if tup not in self.store:
-            fields = list(nested_zeros(tup.ty, tup.name).fields)
-            fields[value.index] = self.store[var]
+            fields = [
+                self.store[var] if i == value.index else nested_zeros(ty, tup.name)
+                for i, ty in enumerate(_ty.tuple_fields(tup))
+            ]
             self.store.emit(tup, relax.Tuple(fields))
         else:
             updated = add_in_tuple(self.store[tup], value.index, self.store[var])
@@ -324,7 +326,7 @@ def _type_mismatch(want, got) -> str | None:
     if wn != -1 and gn != -1 and wn != gn:
         return f"rank {gn} instead of {wn}"
     ws, gs = _ty.shape_of(want), _ty.shape_of(got)
-    if ws is not None and gs is not None:
+    if isinstance(ws, relax.ShapeExpr) and isinstance(gs, relax.ShapeExpr):
         for a, b in zip(ws.values, gs.values):
             if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm):
                 if int(a) != int(b):

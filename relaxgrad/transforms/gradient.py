@@ -358,7 +358,7 @@ class Callees:
         for gv in _called_functions(func):
             callee = gv.name_hint
             if callee in stack:
-                cycle = " -> ".join([*stack[stack.index(callee):], callee])
+                cycle = " -> ".join([*stack, callee])
                 raise GradientError(
                     f"Gradient: function {name} calls {callee} recursively ({cycle}); "
                     "recursive functions cannot be differentiated"

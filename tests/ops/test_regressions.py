@@ -99,12 +99,6 @@ def _inline_shape_vars(mod, _ctx):
     return mod
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="the pass core's partial type check (transforms/backward.py _type_mismatch) reads "
-    "shape.values of a var-shaped type; the rule itself is right",
-)
 def test_binary_operand_shaped_by_shape_var():
     """``x + zeros(shape_of(x))``: the operand's shape is a var, not a ShapeExpr (fit_shape used
     to raise an AttributeError)."""

@@ -9,6 +9,8 @@ import pytest
 import tvm
 from tvm import relax, tirx
 from tvm.relax import op
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import relaxgrad
 from relaxgrad import GradientError, _ty
@@ -337,3 +339,25 @@ def test_mlp_nll_loss_symbolic_batch():
         for n in (1, 4)
     ]
     check_at_sizes(mod, wrt, input_sets, executable=executable)
+
+
+@I.ir_module
+class SymbolicSlice:
+    @R.function
+    def main(x: R.Tensor(("n", 6), "float64")):
+        with R.dataflow():
+            y = R.strided_slice(x, axes=[1], begin=[5], end=[0], strides=[-2])
+            gv = R.sum(R.multiply(y, y))
+            R.output(gv)
+        return gv
+
+
+def test_strided_slice_symbolic_batch():
+    ex = relaxgrad.compile(relaxgrad.Gradient("main")(SymbolicSlice), "llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    for n in (1, 3):
+        x = np.random.default_rng(n).standard_normal((n, 6))
+        _, (g,) = vm["main_adjoint"](tvm.runtime.tensor(x))
+        expect = np.zeros_like(x)
+        expect[:, 5:0:-2] = 2 * x[:, 5:0:-2]
+        np.testing.assert_allclose(g.numpy(), expect, rtol=1e-12)
