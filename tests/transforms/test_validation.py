@@ -3,8 +3,8 @@ at fault, before anything is built; the input module is never changed; outputs a
 and deterministic."""
 
 import pytest
-import tvm_ffi
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
