@@ -7,13 +7,15 @@ memory;
 ``relaxgrad demo`` trains the digits MLP on CPU and prints the accuracy.
 
 ``FILE.py`` defines an ``IRModule`` (e.g. an ``@I.ir_module`` class) at top level; with several,
-pick one with ``--module NAME``.
+pick one with ``--module NAME`` (which may also name a function returning one). The file's
+folder is put on ``sys.path`` first, so it can import modules beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,20 +26,71 @@ from .errors import GradientError
 from .testing import check_gradients, random_inputs
 from .transforms import Gradient
 
+_FILE_MODULE = "__relaxgrad_cli__"
+
 
 def load_module(path: str, name: str | None = None) -> tvm.IRModule:
-    """The IRModule defined at top level of the Python file ``path`` (named ``name``)."""
-    namespace = runpy.run_path(path, run_name="__relaxgrad_cli__")
+    """The IRModule defined at top level of the Python file ``path``.
+
+    Parameters
+    ----------
+    path : str
+        The Python file. Its folder is put on ``sys.path`` while it runs, so it can import
+        modules that sit beside it.
+    name : str, optional
+        The top-level name of the IRModule, or of a function returning one; required when the
+        file defines several IRModules.
+
+    Returns
+    -------
+    tvm.IRModule
+        The module.
+
+    Raises
+    ------
+    GradientError
+        If the file does not exist, or defines no IRModule (or no ``name``), or several
+        without ``name``.
+    """
+    if not os.path.isfile(path):
+        raise GradientError(f"{path}: no such file")
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        namespace = _run_file(path)
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
     modules = {k: v for k, v in namespace.items() if isinstance(v, tvm.IRModule)}
     if name is not None:
-        if name not in modules:
+        value = namespace.get(name)
+        if callable(value) and not isinstance(value, tvm.IRModule):
+            value = value()
+        if not isinstance(value, tvm.IRModule):
             raise GradientError(f"{path} defines no IRModule named {name!r} (it has: "
                                 f"{', '.join(sorted(modules)) or 'none'})")
-        return modules[name]
+        return value
+    if not modules:
+        functions = sorted(k for k, v in namespace.items()
+                           if callable(v) and getattr(v, "__module__", None) == _FILE_MODULE)
+        hint = (f"; if one of its functions ({', '.join(functions)}) returns one, name it with "
+                "--module NAME" if functions else "")
+        raise GradientError(f"{path} defines no IRModule at top level (define one, e.g. an "
+                            f"@I.ir_module class){hint}")
     if len(modules) != 1:
         raise GradientError(f"{path} defines {len(modules)} IRModules "
-                            f"({', '.join(sorted(modules)) or 'none'}); choose one with --module")
+                            f"({', '.join(sorted(modules))}); choose one with --module NAME")
     return next(iter(modules.values()))
+
+
+def _run_file(path: str) -> dict:
+    """Run ``path`` as module ``__relaxgrad_cli__`` (kept in ``sys.modules``, so TVMScript can
+    parse functions defined in it even after it ran); returns its namespace."""
+    spec = importlib.util.spec_from_file_location(_FILE_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_FILE_MODULE] = module
+    spec.loader.exec_module(module)
+    return vars(module)
 
 
 def _vars_by_name(func: relax.Function, names: Sequence[str], func_name: str) -> list:
@@ -110,13 +163,15 @@ def _memory(args) -> int:
 
 
 def _demo(args) -> int:
+    from .pipeline import host_target
     from .training.demo import run_demo
 
-    return run_demo(epochs=args.epochs)
+    return run_demo(epochs=args.epochs, target=host_target())
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relaxgrad", description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="relaxgrad", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_common(p):

@@ -76,3 +76,34 @@ def test_demo_trains_digits(capsys):
     assert "test accuracy" in out
     accuracy = float(out.split("test accuracy")[1].split("%")[0])
     assert accuracy >= 95.0
+
+
+def test_model_file_imports_a_module_beside_it(tmp_path, capsys):
+    """The file's folder is on sys.path, as when running ``python model.py``."""
+    (tmp_path / "layers.py").write_text(MODEL)
+    (tmp_path / "model.py").write_text("from layers import Model\n")
+    assert main(["grad", str(tmp_path / "model.py")]) == 0
+    assert "def main_adjoint(" in capsys.readouterr().out
+
+
+def test_missing_file_is_a_clean_error(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "nope.py")]) == 2
+    assert "nope.py: no such file" in capsys.readouterr().err
+
+
+def test_no_module_suggests_module_option(tmp_path, capsys):
+    body = "\n".join("    " + line for line in MODEL.splitlines())
+    path = tmp_path / "model.py"
+    path.write_text(f"def build():\n{body}\n    return Model\n")
+    assert main(["grad", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "defines no IRModule at top level" in err and "(build)" in err and "--module" in err
+    assert main(["grad", str(path), "--module", "build"]) == 0  # a function returning one
+    assert "def main_adjoint(" in capsys.readouterr().out
+
+
+def test_help_has_no_rst_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "relaxgrad" in out

@@ -1,10 +1,14 @@
 """Training on relaxgrad's gradients: losses appended to model functions, optimizers whose step
-is compiled Relax code, a ``Trainer``, model builders and the digits dataset."""
+is compiled Relax code, a ``Trainer``, model builders, importers of PyTorch modules
+(:func:`from_torch`) and ``tvm.relax.frontend.nn`` modules (:func:`from_nn_module`), and the
+digits dataset."""
 
 from .datasets import Split, load_digits, minibatches
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
+from .nn_module import from_nn_module
 from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
+from .pytorch import from_torch
 from .trainer import Trainer, training_module
 
 __all__ = [
@@ -21,6 +25,8 @@ __all__ = [
     "Trainer",
     "append_loss",
     "cnn",
+    "from_nn_module",
+    "from_torch",
     "load_digits",
     "minibatches",
     "mlp",

@@ -131,7 +131,10 @@ def append_loss(
     """A copy of ``mod`` with ``<func_name>_loss(*params of func_name, target) -> loss`` added.
 
     The new function runs ``func_name``'s bindings, then ``loss`` on its result, in one dataflow
-    block, so :func:`relaxgrad.Gradient` can differentiate it.
+    block, so :func:`relaxgrad.Gradient` can differentiate it. A model returning a tuple (as
+    TVM's PyTorch importer does: ``gv = (out,)``) is scored on field 0; when the tuple has
+    more fields (e.g. updated BatchNorm statistics) the loss function returns
+    ``(loss, field 1, field 2, ...)``, the loss at index 0.
 
     Parameters
     ----------
@@ -140,7 +143,8 @@ def append_loss(
     loss : Loss
         The loss to append.
     func_name : str
-        The model function: one dataflow block returning one tensor.
+        The model function: one dataflow block returning one tensor, or a tuple whose field 0
+        is a tensor.
     target_type : relax.Type, optional
         Type of the target parameter; ``loss.target_type(<result type>)`` by default.
     loss_func_name : str, optional
@@ -149,16 +153,30 @@ def append_loss(
     func = _model_function(mod, func_name)
     copied = relax.utils.copy_with_new_vars(func)
     block, result = copied.body.blocks[0], copied.body.body
-    target = relax.Var("target", target_type or loss.target_type(result.ty))
+    target = relax.Var("target", target_type or loss.target_type(prediction_type(func)))
     name = loss_func_name or f"{func_name}_loss"
     bb = relax.BlockBuilder()
     with bb.function(name, [*copied.params, target]):
         with bb.dataflow():
             for binding in block.bindings:
                 bb.emit_normalized(binding)
-            out = bb.emit_output(loss.emit(bb, result, target))
-        bb.emit_func_output(out)
+            fields = [result]
+            if _ty.is_tuple(result):
+                count = _num_fields(result)
+                fields = [bb.emit(relax.TupleGetItem(result, i)) for i in range(count)]
+            outs = [bb.emit_output(v) for v in [loss.emit(bb, fields[0], target), *fields[1:]]]
+        bb.emit_func_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
     return with_function(mod, name, bb.get()[name])
+
+
+def prediction_type(func: relax.Function) -> relax.Type:
+    """The type of a model function's prediction: its result, or field 0 of a tuple result."""
+    ty = func.body.body.ty
+    return ty.fields[0] if _ty.is_tuple(ty) else ty
+
+
+def _num_fields(expr: relax.Expr) -> int:
+    return len(_ty.type_of(expr).fields)
 
 
 def _model_function(mod: IRModule, func_name: str) -> relax.Function:
@@ -172,10 +190,12 @@ def _model_function(mod: IRModule, func_name: str) -> relax.Function:
             f"append_loss: function {func_name} must have exactly one binding block, a dataflow "
             f"block; it has {len(blocks)}"
         )
-    if not (isinstance(func.body.body, relax.Var) and _ty.is_tensor(func.body.body)):
+    result = func.body.body
+    if not (_ty.is_tensor(result) or (_ty.is_tuple(result) and _num_fields(result) > 0
+                                      and _ty.is_tensor(result.ty.fields[0]))):
         raise ValueError(
-            f"append_loss: function {func_name} must return one tensor var, not "
-            f"{func.body.body}"
+            f"append_loss: function {func_name} must return a tensor or a tuple whose field 0 "
+            f"is a tensor, not {result}"
         )
     return func
 

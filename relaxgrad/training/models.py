@@ -9,7 +9,7 @@ initialization (``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for weights and biases), 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
@@ -26,12 +26,41 @@ class Model:
     """A model function and initial values of its trainable parameters.
 
     ``mod[func_name]`` takes the input batch first, then the parameters named in ``params``
-    (in that order), and returns logits.
+    (in that order), and returns logits. Imported models (:func:`from_torch`,
+    :func:`from_nn_module`) may also have non-trainable ``buffers`` after the parameters,
+    return a tuple ``(output, *new values of the buffers named in updates)`` and have a
+    separate evaluation function; :meth:`Trainer.for_model` passes all of it to the Trainer.
+
+    Attributes
+    ----------
+    mod : IRModule
+        The module holding the model function(s).
+    params : dict[str, np.ndarray]
+        Initial values of the trainable parameters, by parameter name.
+    func_name : str
+        The (train-mode) model function.
+    buffers : dict[str, np.ndarray]
+        Initial values of non-trainable parameters of the function (e.g. BatchNorm's running
+        statistics), by parameter name.
+    updates : tuple[str, ...]
+        The buffers that fields ``1, 2, ...`` of the function's result replace after each step.
+    eval_func : str, optional
+        The function ``predict`` and ``evaluate`` run (same parameters); ``func_name`` if None.
+    state_keys : tuple[str, ...], optional
+        Keys of ``Trainer.state_dict()``, in order (parameters and buffers by default).
+    torch_state : bool
+        Whether ``Trainer.state_dict()`` returns ``torch.Tensor`` values (for
+        ``module.load_state_dict``) instead of numpy arrays.
     """
 
     mod: tvm.IRModule
     params: dict[str, np.ndarray]
     func_name: str = "main"
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    updates: tuple[str, ...] = ()
+    eval_func: str | None = None
+    state_keys: tuple[str, ...] | None = None
+    torch_state: bool = False
 
     @property
     def batch_size(self) -> int:

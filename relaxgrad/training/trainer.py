@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tvm
-from tqdm.auto import tqdm
 from tvm import relax
 from tvm.ir import IRModule
 
@@ -16,7 +15,8 @@ from .. import _ty
 from .._module import with_function
 from ..transforms import Gradient
 from .datasets import minibatches
-from .losses import Loss, append_loss
+from .losses import Loss, append_loss, prediction_type
+from .models import Model
 from .optimizers import Optimizer
 
 __all__ = ["Trainer", "training_module"]
@@ -35,10 +35,11 @@ class Trainer:
     Parameters
     ----------
     model : IRModule
-        Module with the model function (one dataflow block returning one tensor).
+        Module with the model function: one dataflow block returning one tensor, or a tuple
+        ``(prediction, *new buffer values)`` (see ``updates``).
     params : Mapping[str, np.ndarray]
-        Initial values of the trainable parameters, by parameter name. The function's other
-        parameters are the inputs, in their order.
+        Initial values of the trainable parameters, by parameter name. The function's
+        parameters that are neither trainable nor ``buffers`` are the inputs, in their order.
     loss : Loss
         The loss of the model's result against a target.
     optimizer : Optimizer
@@ -46,9 +47,28 @@ class Trainer:
     func_name : str
         Name of the model function.
     target : str, dict or tvm.target.Target
-        Compilation target (see :func:`relaxgrad.compile`); ``"llvm"`` by default.
+        Compilation target (see :func:`relaxgrad.compile`); this machine's CPU
+        (``relaxgrad.pipeline.host_target()``) by default, ``"llvm"`` for a portable build.
     target_type : relax.Type, optional
         Type of the loss target; by default derived from the result by ``loss.target_type``.
+    buffers : Mapping[str, np.ndarray], optional
+        Initial values of non-trainable parameters the Trainer feeds (e.g. BatchNorm's
+        running statistics), by parameter name.
+    updates : sequence of str
+        Buffers replaced after each step by fields ``1, 2, ...`` of the model's tuple result
+        (as PyTorch updates BatchNorm's running statistics in train mode).
+    eval_func : str, optional
+        Function with the same parameters that :meth:`predict` and :meth:`evaluate` run (e.g.
+        the eval-mode twin of a train-mode function); ``func_name`` by default.
+
+    Examples
+    --------
+    From PyTorch (see :func:`relaxgrad.training.from_torch`)::
+
+        model = from_torch(net, (torch.randn(32, 64),))
+        trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3))
+        trainer.fit(x, y, epochs=5)
+        net.load_state_dict(trainer.state_dict())
     """
 
     def __init__(
@@ -59,44 +79,136 @@ class Trainer:
         optimizer: Optimizer,
         *,
         func_name: str = "main",
-        target="llvm",
+        target=relaxgrad.pipeline.host_target(),
         target_type: relax.Type | None = None,
+        buffers: Mapping[str, np.ndarray] | None = None,
+        updates: Sequence[str] = (),
+        eval_func: str | None = None,
     ):
+        buffers = dict(buffers or {})
+        _check_updates(model, func_name, buffers, updates)
         self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type)
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
+        self.eval_func = eval_func or func_name
+        self.updates = tuple(updates)
         self.device = _device(target)
         self.vm = relax.VirtualMachine(_compile(self.mod, target), self.device)
 
         names = [p.name for p in model[func_name].params]
         loss_func = self.mod[f"{func_name}_loss"]
         self._param_pos = [i for i, name in enumerate(names) if name in params]
-        self._input_pos = [i for i, name in enumerate(names) if name not in params]
+        self._buffer_pos = [i for i, name in enumerate(names) if name in buffers]
+        self._input_pos = [
+            i for i, name in enumerate(names) if name not in params and name not in buffers
+        ]
         self._inputs = [loss_func.params[i] for i in self._input_pos]
         self._target = loss_func.params[-1]
         self.param_names = [names[i] for i in self._param_pos]
+        self.buffer_names = [names[i] for i in self._buffer_pos]
         self._params = [
             self._to_device(params[name], loss_func.params[i], "parameter")
             for i, name in zip(self._param_pos, self.param_names)
         ]
+        self._buffers = {
+            name: self._to_device(buffers[name], loss_func.params[i], "buffer")
+            for i, name in zip(self._buffer_pos, self.buffer_names)
+        }
+        self.state_keys: tuple[str, ...] | None = None
+        self.torch_state = False
         self._optim_state = [s.copyto(self.device) for s in optimizer.state]
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
+
+    @classmethod
+    def for_model(cls, model: Model, loss: Loss, optimizer: Optimizer, **kwargs) -> Trainer:
+        """A Trainer of ``model``, with its parameters, buffers, updates and evaluation function.
+
+        Parameters
+        ----------
+        model : Model
+            E.g. from :func:`mlp`, :func:`from_torch` or :func:`from_nn_module`.
+        loss : Loss
+            The loss of the model's prediction against a target.
+        optimizer : Optimizer
+            The optimizer.
+        **kwargs
+            Other constructor arguments (``target``, ``target_type``).
+
+        Returns
+        -------
+        Trainer
+            Its :meth:`state_dict` has ``model.state_keys`` (torch tensors when
+            ``model.torch_state``).
+        """
+        trainer = cls(model.mod, model.params, loss, optimizer, func_name=model.func_name,
+                      buffers=model.buffers, updates=model.updates, eval_func=model.eval_func,
+                      **kwargs)
+        trainer.state_keys, trainer.torch_state = model.state_keys, model.torch_state
+        return trainer
 
     @property
     def params(self) -> dict[str, np.ndarray]:
         """The current parameter values, by name."""
         return {name: p.numpy() for name, p in zip(self.param_names, self._params)}
 
-    def step(self, inputs: Inputs, target: np.ndarray) -> float:
-        """One update on one minibatch; returns the loss before the update."""
+    @property
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The current buffer values, by name."""
+        return {name: b.numpy() for name, b in self._buffers.items()}
+
+    def state_dict(self) -> dict:
+        """Parameters and buffers by name, as ``torch.nn.Module.state_dict`` has them.
+
+        Returns
+        -------
+        dict
+            For a model from :func:`from_torch`, the module's ``state_dict`` keys in its order
+            and ``torch.Tensor`` values, so ``module.load_state_dict(trainer.state_dict())``
+            loads the trained weights; otherwise numpy arrays, parameters first.
+        """
+        values = {**self.params, **self.buffers}
+        keys = self.state_keys or tuple(values)
+        if not self.torch_state:
+            return {key: values[key] for key in keys}
+        import torch
+
+        return {key: torch.from_numpy(np.array(values[key])) for key in keys}
+
+    def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss and the gradients on one minibatch, without updating anything.
+
+        Parameters
+        ----------
+        inputs : np.ndarray or sequence of np.ndarray
+            The model's inputs (one batch).
+        target : np.ndarray
+            The loss target.
+
+        Returns
+        -------
+        loss : float
+            The loss.
+        gradients : dict[str, np.ndarray]
+            The gradient of each trainable parameter, by name.
+        """
         args = self._args(inputs) + [self._to_device(target, self._target, "target")]
-        loss, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+        loss = _first(out)
+        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.param_names, grads)}
+
+    def step(self, inputs: Inputs, target: np.ndarray) -> float:
+        """One update on one minibatch; returns the loss before the update (and replaces the
+        ``updates`` buffers by their new values)."""
+        args = self._args(inputs) + [self._to_device(target, self._target, "target")]
+        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
         new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
             self._params, grads, self._optim_state
         )
         self._params = list(new_params)
-        value = float(loss.numpy())
+        if self.updates:  # out is (loss, *new buffer values)
+            self._buffers.update(zip(self.updates, list(out)[1:]))
+        value = float(_first(out).numpy())
         self.history.append(value)
         return value
 
@@ -122,7 +234,7 @@ class Trainer:
         rng = np.random.default_rng(seed) if shuffle else None
         per_epoch = len(y) // batch_size
         losses: list[float] = []
-        with tqdm(total=epochs * per_epoch, disable=not progress, unit="step") as bar:
+        with _progress_bar(total=epochs * per_epoch, disable=not progress, unit="step") as bar:
             for epoch in range(epochs):
                 bar.set_description(f"epoch {epoch + 1}/{epochs}")
                 for idx in minibatches(len(y), batch_size, rng):
@@ -158,11 +270,11 @@ class Trainer:
         x = _as_tuple(x)
         n = len(x[0])
         size = self.batch_size or n
-        forward = self.vm[self.func_name]
+        forward = self.vm[self.eval_func]
         for start in range(0, n, size):
             idx = np.arange(start, min(start + size, n))
             batch = tuple(_pad(xi[idx], size) for xi in x)
-            pred = forward(*self._args(batch)).numpy()
+            pred = _first(forward(*self._args(batch))).numpy()
             yield (pred if keep_padding else pred[: len(idx)]), idx
 
     def _args(self, inputs: Inputs) -> list:
@@ -172,11 +284,13 @@ class Trainer:
             raise ValueError(
                 f"Trainer: {self.func_name} takes {len(self._inputs)} inputs, got {len(inputs)}"
             )
-        args = [None] * (len(self._input_pos) + len(self._param_pos))
+        args = [None] * (len(self._input_pos) + len(self._param_pos) + len(self._buffer_pos))
         for pos, value, var in zip(self._input_pos, inputs, self._inputs):
             args[pos] = self._to_device(value, var, "input")
         for pos, value in zip(self._param_pos, self._params):
             args[pos] = value
+        for pos, name in zip(self._buffer_pos, self.buffer_names):
+            args[pos] = self._buffers[name]
         return args
 
     def _to_device(self, value, var: relax.Var, what: str) -> tvm.runtime.Tensor:
@@ -216,8 +330,10 @@ def training_module(
 ) -> IRModule:
     """The module a :class:`Trainer` compiles: ``model`` plus
 
-    - ``<func>_loss(*params of func, target)``: :func:`append_loss`;
-    - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``;
+    - ``<func>_loss(*params of func, target)``: :func:`append_loss` (for a model returning a
+      tuple, ``(loss, *fields 1.. of the result)``);
+    - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``, the
+      loss as target (index 0 of a tuple);
     - ``<func>_optimizer(params, gradients, optim_states)``: ``optimizer.get_function()``
       (``optimizer.init`` is called, so ``optimizer.state`` holds the initial state);
     - ``<func>_sample_loss(prediction, target)``: the per-sample losses (``reduction="none"``).
@@ -230,12 +346,41 @@ def training_module(
     if unknown:
         raise ValueError(f"Trainer: {func_name} has no parameters named {unknown} (it has {names})")
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
-    mod = Gradient(loss_name, trainable)(mod)
+    mod = Gradient(loss_name, trainable, target_index=0)(mod)
     optimizer.init(trainable)
     mod = _with_function(mod, f"{func_name}_optimizer", optimizer.get_function())
-    prediction_ty = model[func_name].body.body.ty
+    prediction_ty = prediction_type(model[func_name])
     sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
     return _with_function(mod, f"{func_name}_sample_loss", sample_loss)
+
+
+def _check_updates(model: IRModule, func_name: str, buffers: Mapping, updates: Sequence[str]):
+    """The buffers named in ``updates`` exist and match the extra fields of the result."""
+    unknown = [name for name in updates if name not in buffers]
+    if unknown:
+        raise ValueError(f"Trainer: updates {unknown} are not buffers (buffers: {list(buffers)})")
+    if not updates:
+        return
+    ty = model[func_name].body.body.ty
+    extra = len(ty.fields) - 1 if _ty.is_tuple(ty) else 0
+    if extra != len(updates):
+        raise ValueError(
+            f"Trainer: {func_name} returns {extra} values after the prediction, but "
+            f"{len(updates)} buffers are to be updated ({list(updates)})"
+        )
+
+
+def _progress_bar(**kwargs):
+    """A tqdm bar: the notebook widget when ipywidgets is installed and we run in a notebook,
+    else the text bar (``tqdm.auto`` would warn ``IProgress not found`` in a notebook without
+    ipywidgets)."""
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        from tqdm.std import tqdm
+    else:
+        from tqdm.auto import tqdm
+    return tqdm(**kwargs)
 
 
 def _names(mod: IRModule) -> set[str]:
@@ -260,6 +405,11 @@ def _with_function(mod: IRModule, name: str, func: relax.Function) -> IRModule:
     if name in _names(mod):
         raise ValueError(f"Trainer: the model module already has a function named {name!r}")
     return with_function(mod, name, func)
+
+
+def _first(result):
+    """A function's result, or field 0 of a tuple result."""
+    return result if isinstance(result, tvm.runtime.Tensor) else result[0]
 
 
 def _as_tuple(x: Inputs) -> tuple:

@@ -1,0 +1,283 @@
+"""Train a ``torch.nn.Module`` with relaxgrad: :func:`from_torch`.
+
+The path (PyTorch is imported only when this is called):
+
+1. ``torch.export.export`` traces the module, once in train mode and once in eval mode. It is
+   wrapped so that its buffers (BatchNorm's running statistics) are inputs of the traced graph
+   and their values after the forward pass are extra outputs.
+2. TVM's importer ``tvm.relax.frontend.torch.from_exported_program(...,
+   keep_params_as_input=True)`` turns each into a Relax function: ``main`` (train mode) and
+   ``main_eval`` (eval mode). Parameters and buffers are renamed to the module's ``state_dict``
+   keys (``"0.weight"``, ``"bn.running_mean"``), in ``state_dict`` order after the inputs.
+3. Both return a tuple: the module's output, then the new value of each buffer. The Trainer
+   appends the loss to field 0, and after each step replaces the buffers by the other fields.
+
+Train-mode BatchNorm normalizes with the batch statistics and updates the running statistics
+as PyTorch does (``momentum`` average, the unbiased batch variance for ``running_var``,
+``num_batches_tracked += 1``); TVM 0.27's own converter of
+``_native_batch_norm_legit_functional`` returns zeros for the new running statistics, so
+:func:`from_torch` converts that op itself. Eval mode normalizes with the running statistics.
+
+TVM 0.27's importer turns ``dropout`` / ``native_dropout`` into the identity, so a module with
+an active dropout in train mode would train without dropping anything: :func:`from_torch`
+raises a ``ValueError`` naming the dropout nodes unless ``dropout="identity"`` (which warns).
+Dropout in eval mode is the identity in PyTorch too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from tvm import relax
+from tvm.ir import IRModule
+from tvm.relax import op
+
+from .. import _ty
+from .._module import with_function
+from .models import Model
+
+__all__ = ["from_torch"]
+
+_DROPOUT_OPS = ("native_dropout.default", "dropout.default", "dropout_.default")
+
+
+def from_torch(
+    module,
+    example_inputs: Sequence,
+    *,
+    dropout: Literal["error", "identity"] = "error",
+    func_name: str = "main",
+) -> Model:
+    """Import a ``torch.nn.Module`` as a trainable relaxgrad :class:`Model`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model. Its ``state_dict`` gives the initial parameter and buffer values; parameters
+        with ``requires_grad=False`` stay fixed, as buffers. The train-mode function is traced
+        with the module's own modes when it is in train mode (so a submodule put in eval mode
+        stays so), after ``module.train()`` otherwise; the module's modes are restored.
+    example_inputs : sequence of torch.Tensor
+        One batch of inputs of ``module.forward``; the Relax functions have their static
+        shapes and dtypes (so the batch size is fixed).
+    dropout : "error" or "identity"
+        What to do when the module drops out in train mode, which TVM 0.27's importer cannot
+        express: raise a ``ValueError`` (default), or train with dropout as the identity and
+        warn.
+    func_name : str
+        Name of the train-mode function; the eval-mode one is ``<func_name>_eval``.
+
+    Returns
+    -------
+    Model
+        ``mod`` with ``<func_name>(*inputs, *params, *buffers)`` in train mode and
+        ``<func_name>_eval`` in eval mode, both returning ``(output, *new buffers)``;
+        ``params`` (trainable parameters) and ``buffers`` as numpy arrays by ``state_dict``
+        key; ``updates`` (the buffers replaced by fields 1.. of the result); ``state_keys``
+        (the ``state_dict`` keys in order). ``Trainer.for_model(model, ...)`` trains it and
+        ``trainer.state_dict()`` returns tensors for ``module.load_state_dict``.
+
+    Raises
+    ------
+    ValueError
+        If the module drops out in train mode and ``dropout="error"``, or if TVM's importer
+        returns a function this path cannot use.
+
+    Examples
+    --------
+    >>> model = from_torch(net, (torch.randn(32, 64),))
+    >>> trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1))
+    >>> trainer.step(x, y)
+    >>> net.load_state_dict(trainer.state_dict())
+    """
+    if dropout not in ("error", "identity"):
+        raise ValueError(f"from_torch: dropout must be 'error' or 'identity', not {dropout!r}")
+    example_inputs = tuple(example_inputs)
+    state = module.state_dict()
+    param_keys = [name for name, _ in module.named_parameters()]
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    buffer_keys = [name for name, _ in module.named_buffers()]
+    input_names = _input_names(module, len(example_inputs))
+
+    modes = {m: m.training for m in module.modules()}
+    try:
+        if not module.training:  # a module in train mode keeps its submodules' own modes
+            module.train()
+        train = _import(module, example_inputs, input_names, buffer_keys, dropout)
+        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout)
+    finally:
+        for submodule, training in modes.items():
+            submodule.training = training
+
+    names = input_names + param_keys + buffer_keys
+    mod = IRModule()
+    mod = with_function(mod, func_name, _with_param_names(*train, names, len(example_inputs)))
+    mod = with_function(
+        mod, f"{func_name}_eval", _with_param_names(*evaluation, names, len(example_inputs))
+    )
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    values = {k: v.detach().cpu().numpy().copy() for k, v in tensors}
+    return Model(
+        mod,
+        {k: values[k] for k in trainable},
+        func_name,
+        buffers={k: values[k] for k in param_keys + buffer_keys if k not in trainable},
+        updates=tuple(buffer_keys),
+        eval_func=f"{func_name}_eval",
+        state_keys=tuple(state),
+        torch_state=True,
+    )
+
+
+def _input_names(module, count: int) -> list[str]:
+    """The names of ``forward``'s first ``count`` parameters (``input<i>`` past them)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    plain = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [plain[i] if i < len(plain) else f"input{i}" for i in range(count)]
+
+
+def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str):
+    """``main(*inputs, *buffers, *params)`` of ``module`` in its current mode, returning
+    ``(output, *buffers after the forward pass)``, and the renames of its parameters
+    (exported name -> input name or ``state_dict`` key)."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    buffers = dict(module.named_buffers())
+    with warnings.catch_warnings():  # torch 2.13's pytree deprecation noise inside export
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        program = torch.export.export(
+            _buffers_as_inputs(module, buffer_keys, len(example_inputs)),
+            (*example_inputs, *(buffers[k].detach().clone() for k in buffer_keys)),
+        )
+        program = program.run_decompositions()
+    if module.training:
+        _check_dropout(program, dropout)
+    mod = from_exported_program(
+        program,
+        keep_params_as_input=True,
+        custom_convert_map={"_native_batch_norm_legit_functional.default": _batch_norm_train},
+        run_ep_decomposition=False,
+    )
+    func = mod["main"]
+    fields = getattr(func.ret_ty, "fields", None)
+    if fields is None or len(fields) != 1 + len(buffer_keys):
+        raise ValueError(
+            "from_torch: the module must return one tensor; TVM's importer returned "
+            f"{func.ret_ty}"
+        )
+    renames = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
+            renames[spec.arg.name] = spec.target.removeprefix("module.")
+    user = [spec.arg.name for spec in program.graph_signature.input_specs
+            if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    renames.update(zip(user[len(example_inputs):], buffer_keys))
+    renames.update(zip(user[: len(example_inputs)], input_names))
+    return func, renames
+
+
+def _buffers_as_inputs(module, buffer_keys: list[str], num_inputs: int):
+    """``module`` wrapped so that its buffers are inputs of the traced graph."""
+    import torch
+
+    class BuffersAsInputs(torch.nn.Module):
+        """``forward(*inputs, *buffers) -> (module(*inputs), *buffers after it)``."""
+
+        def __init__(self, module, buffer_keys, num_inputs):
+            super().__init__()
+            self.module, self.buffer_keys, self.num_inputs = module, buffer_keys, num_inputs
+
+        def forward(self, *args):
+            inputs, buffers = args[: self.num_inputs], args[self.num_inputs :]
+            out = torch.func.functional_call(
+                self.module, dict(zip(self.buffer_keys, buffers)), inputs, strict=False
+            )
+            if not isinstance(out, torch.Tensor):
+                raise ValueError(
+                    f"from_torch: the module must return one tensor, not {type(out).__name__}"
+                )
+            return (out, *(b.clone() for b in buffers))
+
+    return BuffersAsInputs(module, buffer_keys, num_inputs)
+
+
+def _check_dropout(program, dropout: str) -> None:
+    """Raise (or warn) when the train-mode graph drops out with a nonzero probability."""
+    found = []
+    for node in program.graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        if node.op == "call_function" and name in _DROPOUT_OPS:
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+            if train and p:
+                found.append(f"{node.name} (p={p})")
+    if not found:
+        return
+    message = (
+        f"from_torch: the module drops out in train mode ({', '.join(found)}), but TVM 0.27's "
+        "importer turns dropout into the identity, so training would not drop anything"
+    )
+    if dropout == "error":
+        raise ValueError(
+            message + ". Set the dropout probabilities to 0 (or put the dropout layers in eval "
+            "mode, e.g. ``module.dropout.eval()``) before importing, or pass "
+            "dropout='identity' to train without dropout."
+        )
+    warnings.warn(message + " (dropout='identity').", stacklevel=3)
+
+
+def _batch_norm_train(node, importer) -> relax.Expr:
+    """``_native_batch_norm_legit_functional(x, w, b, running_mean, running_var, training,
+    momentum, eps) -> (out, mean, rstd, new_running_mean, new_running_var)``, as PyTorch."""
+    bb, env = importer.block_builder, importer.env
+    args = list(node.args) + [None] * (8 - len(node.args))
+    x, running_mean, running_var = env[args[0]], env[args[3]], env[args[4]]
+    training = True if args[5] is None else bool(args[5])
+    momentum = 0.1 if args[6] is None else float(args[6])
+    eps = 1e-5 if args[7] is None else float(args[7])
+    shape, dtype = _ty.static_shape(x), _ty.dtype_of(running_mean)
+    ones = relax.const(np.ones(shape[1], dtype), dtype)
+    weight = env[args[1]] if args[1] is not None else ones
+    bias = env[args[2]] if args[2] is not None else relax.const(np.zeros(shape[1], dtype), dtype)
+    normalized = bb.emit(
+        op.nn.batch_norm(x, weight, bias, running_mean, running_var, axis=1, epsilon=eps,
+                         momentum=momentum, training=training)
+    )
+    out = bb.emit(relax.TupleGetItem(normalized, 0))
+    axes = [0, *range(2, len(shape))]
+    count = int(np.prod([shape[a] for a in axes]))
+    mean = bb.emit(op.mean(x, axes))
+    var = bb.emit(op.variance(x, axes))
+    rstd = bb.emit(op.rsqrt(var + relax.const(eps, dtype)))
+    if not training:
+        return bb.emit(relax.Tuple([out, mean, rstd, running_mean, running_var]))
+    m = relax.const(momentum, dtype)
+    keep = relax.const(1.0 - momentum, dtype)
+    unbiased = relax.const(count / max(count - 1, 1), dtype)
+    new_mean = bb.emit(keep * running_mean + m * mean)
+    new_var = bb.emit(keep * running_var + m * (unbiased * var))
+    return bb.emit(relax.Tuple([out, mean, rstd, new_mean, new_var]))
+
+
+def _with_param_names(
+    func: relax.Function, renames: dict[str, str], names: list[str], num_inputs: int
+) -> relax.Function:
+    """``func`` with its parameters renamed by ``renames`` (exported name -> state_dict key or
+    input name) and ordered as ``names`` (inputs, params, buffers)."""
+    by_name = {renames.get(p.name, p.name): p for p in func.params}
+    if sorted(by_name) != sorted(names):
+        raise ValueError(
+            f"from_torch: TVM's importer made parameters {sorted(by_name)}, expected {names}"
+        )
+    old = [by_name[name] for name in names]
+    new = [relax.Var(name, p.ty) for name, p in zip(names, old)]
+    body = func.bind_params(dict(zip(old, new))).body
+    return relax.Function(new, body, func.ret_ty, func.is_pure).with_attr("num_input", num_inputs)

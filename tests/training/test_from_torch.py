@@ -1,0 +1,181 @@
+"""PyTorch modules -> relaxgrad training -> ``load_state_dict``.
+
+Each tiny architecture is imported with :func:`from_torch`, and one step of relaxgrad's
+training is compared with PyTorch's own: the first-step gradients, the weights after the
+optimizer step (and the BatchNorm running statistics), then the trained state is loaded back
+into the module, whose eval-mode output must equal the Trainer's ``predict``.
+"""
+
+import numpy as np
+import pytest
+
+from relaxgrad.training import (
+    SGD,
+    Adam,
+    CrossEntropyLoss,
+    MomentumSGD,
+    MSELoss,
+    Trainer,
+    from_torch,
+)
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+BATCH = 8
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
+WEIGHT_ATOL = 1e-5
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def lenet():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 5),
+    )  # fmt: skip
+
+
+def batchnorm():
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 5),
+    )  # fmt: skip
+
+
+class EmbeddingBag(nn.Module):
+    """Token embeddings averaged over the sequence, then a linear classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+class AttentionBlock(nn.Module):
+    """A pre-norm self-attention block (one head) with a residual, pooled to class logits."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 5)
+        self.scale = dim**-0.5
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-2, -1) * self.scale, dim=-1)
+        x = x + self.proj(attn @ v)
+        return self.head(torch.nn.functional.gelu(x).mean(dim=1))
+
+
+def _images(rng):
+    return rng.standard_normal((BATCH, 1, 8, 8)).astype("float32")
+
+
+# id -> (module factory, input maker, our optimizer, torch optimizer)
+CASES = {
+    "mlp-sgd": (mlp, lambda rng: rng.standard_normal((BATCH, 12)).astype("float32"),
+                lambda: SGD(0.1), lambda p: torch.optim.SGD(p, 0.1)),
+    "lenet-adam": (lenet, _images, lambda: Adam(1e-2), lambda p: torch.optim.Adam(p, 1e-2)),
+    "batchnorm-momentum": (batchnorm, _images, lambda: MomentumSGD(0.1, 0.9),
+                           lambda p: torch.optim.SGD(p, 0.1, momentum=0.9)),
+    "embedding-adam": (EmbeddingBag, lambda rng: rng.integers(0, 20, (BATCH, 6)),
+                       lambda: Adam(1e-2), lambda p: torch.optim.Adam(p, 1e-2)),
+    "attention-sgd": (AttentionBlock, lambda rng: rng.standard_normal((BATCH, 4, 8))
+                      .astype("float32"), lambda: SGD(0.5), lambda p: torch.optim.SGD(p, 0.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_step_matches_torch(case):
+    factory, make_input, ours, theirs = CASES[case]
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    net = factory()
+    x, y = make_input(rng), rng.integers(0, 5, BATCH)
+    model = from_torch(net, (torch.from_numpy(x),))
+    assert set(model.params) == {name for name, _ in net.named_parameters()}
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), ours())
+
+    loss, grads = trainer.gradients(x, y)
+    net.train()
+    optimizer = theirs(net.parameters())
+    torch_loss = nn.functional.cross_entropy(net(torch.from_numpy(x)), torch.from_numpy(y))
+    torch_loss.backward()
+    np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+    for name, param in net.named_parameters():
+        np.testing.assert_allclose(grads[name], param.grad.numpy(), rtol=GRAD_RTOL,
+                                   atol=GRAD_ATOL, err_msg=name)
+
+    assert trainer.step(x, y) == pytest.approx(loss)
+    optimizer.step()
+    state = trainer.state_dict()
+    assert list(state) == list(net.state_dict())
+    for name, value in net.state_dict().items():
+        np.testing.assert_allclose(state[name].numpy(), value.numpy(), atol=WEIGHT_ATOL,
+                                   err_msg=name)
+
+    # the way back: a fresh module loads the trained state and predicts as the Trainer does
+    fresh = factory()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        expected = fresh.eval()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(trainer.predict(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_batchnorm_running_stats_follow_torch():
+    """Train mode normalizes with the batch statistics and updates the running ones as PyTorch
+    does (unbiased variance, momentum, ``num_batches_tracked``), step after step; eval mode
+    uses the running statistics."""
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, momentum=0.3), nn.Linear(4, 2))
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((3, 16, 6)).astype("float32") * 3 + 1
+    ys = rng.standard_normal((3, 16, 2)).astype("float32")
+    trainer = Trainer.for_model(from_torch(net, (torch.from_numpy(xs[0]),)), MSELoss(), SGD(0.05))
+    optimizer = torch.optim.SGD(net.parameters(), 0.05)
+    net.train()
+    for x, y in zip(xs, ys):
+        trainer.step(x, y)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        optimizer.step()
+    buffers = trainer.buffers
+    assert buffers["1.num_batches_tracked"] == 3
+    for name in ("1.running_mean", "1.running_var"):
+        np.testing.assert_allclose(buffers[name], net.state_dict()[name].numpy(), rtol=1e-5)
+    with torch.no_grad():
+        expected = net.eval()(torch.from_numpy(xs[0])).numpy()
+    np.testing.assert_allclose(trainer.predict(xs[0]), expected, rtol=1e-4, atol=1e-5)
+
+
+class Dropper(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_dropout_in_train_mode_is_refused():
+    x = (torch.zeros(2, 4),)
+    with pytest.raises(ValueError, match=r"drops out in train mode .*p=0\.5.*identity"):
+        from_torch(Dropper(0.5), x)
+    with pytest.warns(UserWarning, match="turns dropout into the identity"):
+        from_torch(Dropper(0.5), x, dropout="identity")
+    net = Dropper(0.5)
+    net.drop.eval()  # a dropout layer in eval mode is the identity in PyTorch too
+    model = from_torch(net, x)
+    assert net.fc.training is not False and not net.drop.training  # modes restored
+    assert set(model.params) == {"fc.weight", "fc.bias"}
+    from_torch(Dropper(0.0), x)
