@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tvm
+from tvm import relax
 from tvm.ir import IRModule
 
 
@@ -11,5 +12,11 @@ def with_function(mod: IRModule, name: str, func) -> IRModule:
     name); ``mod`` itself is left as it was."""
     new = mod.clone()
     existing = [gv for gv in new.get_global_vars() if gv.name_hint == name]
-    new[existing[0] if existing else tvm.ir.GlobalVar(name)] = func.with_attr("global_symbol", name)
+    if existing:
+        gv = existing[0]
+    else:  # typed, as BlockBuilder.add_func makes them, so that callers can build calls of it
+        gv = tvm.ir.GlobalVar(name)
+        if isinstance(func, relax.Function):
+            relax.expr._update_type(gv, func.ty)
+    new[gv] = func.with_attr("global_symbol", name)
     return new
