@@ -14,6 +14,7 @@ import relaxgrad
 from .. import _ty
 from .._module import with_function
 from ..transforms import Gradient
+from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
@@ -60,6 +61,10 @@ class Trainer:
     eval_func : str, optional
         Function with the same parameters that :meth:`predict` and :meth:`evaluate` run (e.g.
         the eval-mode twin of a train-mode function); ``func_name`` by default.
+    accumulate : int
+        Micro-batches per optimizer step (:mod:`relaxgrad.training.accumulate`): :meth:`step`
+        cuts its batch into ``accumulate`` equal parts of the compiled batch size and steps with
+        their mean gradient; :meth:`fit` then takes batches of ``accumulate`` times that size.
 
     Examples
     --------
@@ -84,6 +89,7 @@ class Trainer:
         buffers: Mapping[str, np.ndarray] | None = None,
         updates: Sequence[str] = (),
         eval_func: str | None = None,
+        accumulate: int = 1,
     ):
         buffers = dict(buffers or {})
         _check_updates(model, func_name, buffers, updates)
@@ -119,6 +125,7 @@ class Trainer:
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
+        self.accumulate = check_accumulate(accumulate)
 
     @classmethod
     def for_model(cls, model: Model, loss: Loss, optimizer: Optimizer, **kwargs) -> Trainer:
@@ -192,6 +199,9 @@ class Trainer:
         gradients : dict[str, np.ndarray]
             The gradient of each trainable parameter, by name.
         """
+        if self.accumulate > 1:
+            loss, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
+            return loss, {n: g.numpy() for n, g in zip(self.param_names, grads)}
         args = self._args(inputs) + [self._to_device(target, self._target, "target")]
         out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
         loss = _first(out)
@@ -200,6 +210,14 @@ class Trainer:
     def step(self, inputs: Inputs, target: np.ndarray) -> float:
         """One update on one minibatch; returns the loss before the update (and replaces the
         ``updates`` buffers by their new values)."""
+        if self.accumulate > 1:
+            value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
+            new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
+                self._params, grads, self._optim_state
+            )
+            self._params = list(new_params)
+            self.history.append(value)
+            return value
         args = self._args(inputs) + [self._to_device(target, self._target, "target")]
         out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
         new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
@@ -312,12 +330,14 @@ class Trainer:
             if batch_size is None:
                 raise ValueError("Trainer: the model's batch size is symbolic; pass batch_size")
             return batch_size
-        if batch_size not in (None, self.batch_size):
+        full = self.batch_size * self.accumulate
+        if batch_size not in (None, full):
             raise ValueError(
                 f"Trainer: the model is compiled for batches of {self.batch_size}, not "
-                f"{batch_size}"
+                f"{batch_size}" + (f" (with accumulate={self.accumulate}: {full})"
+                                   if self.accumulate > 1 else "")
             )
-        return self.batch_size
+        return full
 
 
 def training_module(

@@ -1,0 +1,60 @@
+"""Gradient accumulation: one optimizer step from the gradients of ``k`` micro-batches.
+
+For a loss that is a mean over the batch, the mean of the micro-batch gradients (equal-size
+micro-batches) is the gradient of the whole batch, so ``Trainer(..., accumulate=k)`` on batches
+of ``k * m`` rows, with the model compiled for ``m`` rows, takes the same steps as a Trainer
+compiled for ``k * m`` rows, while holding the activations of only ``m`` rows at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+
+__all__ = ["accumulate_gradients", "check_accumulate", "split_batch"]
+
+
+def check_accumulate(accumulate) -> int:
+    """``accumulate`` as a positive int (ValueError otherwise)."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"Trainer: accumulate must be a positive int, not {accumulate!r}")
+    return accumulate
+
+
+def split_batch(inputs, target, k: int) -> list:
+    """``[(inputs_i, target_i)]``: the batch cut into ``k`` equal micro-batches along axis 0."""
+    single = isinstance(inputs, np.ndarray | tvm.runtime.Tensor)
+    xs = [inputs] if single else list(inputs)
+    xs = [np.asarray(x.numpy() if isinstance(x, tvm.runtime.Tensor) else x) for x in xs]
+    target = np.asarray(target)
+    n = len(target)
+    if n % k or any(len(x) != n for x in xs):
+        raise ValueError(
+            f"Trainer: a batch of {n} rows cannot be cut into {k} equal micro-batches"
+        )
+    m = n // k
+    parts = []
+    for i in range(k):
+        rows = slice(i * m, (i + 1) * m)
+        micro = [x[rows] for x in xs]
+        parts.append((micro[0] if single else tuple(micro), target[rows]))
+    return parts
+
+
+def accumulate_gradients(trainer, inputs, target, k: int):
+    """``(mean loss, mean gradients as device tensors, last result)`` over ``k`` micro-batches
+    of ``(inputs, target)``; the ``updates`` buffers are replaced after each micro-batch (as in
+    PyTorch, where each forward in train mode updates them)."""
+    adjoint = trainer.vm[f"{trainer.func_name}_loss_adjoint"]
+    total, losses, out = None, [], None
+    for micro_x, micro_y in split_batch(inputs, target, k):
+        args = trainer._args(micro_x) + [trainer._to_device(micro_y, trainer._target, "target")]
+        out, grads = adjoint(*args)
+        if trainer.updates:  # out is (loss, *new buffer values)
+            trainer._buffers.update(zip(trainer.updates, list(out)[1:]))
+        first = out if isinstance(out, tvm.runtime.Tensor) else out[0]
+        losses.append(float(first.numpy()))
+        grads = [g.numpy() for g in grads]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    mean = [tvm.runtime.tensor((g / k).astype(g.dtype), trainer.device) for g in total]
+    return float(np.mean(losses)), mean, out
