@@ -336,3 +336,17 @@ def test_deeply_nested_tuples_no_recursion_error():
 
 def test_nested_tuples_numeric():
     assert_gradients_close(_deep_tuple_chain(20))
+
+
+def test_impure_calls_stay_out_of_dataflow_blocks():
+    x = relax.Var("x", relax.TensorType((3,), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x], pure=False):
+        y = bb.emit(relax.op.tanh(x))
+        bb.emit(relax.op.print(y, format="y={}"))
+        loss = bb.emit(relax.op.sum(relax.op.multiply(y, y)))
+        bb.emit_func_output(loss)
+    mod = bb.get()
+    adjoint = LOOSE("main")(mod)["main_adjoint"]
+    assert all(not isinstance(b, relax.DataflowBlock) for b in adjoint.body.blocks)
+    assert_gradients_close(mod, grad_pass=LOOSE)
