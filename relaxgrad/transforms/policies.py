@@ -37,6 +37,7 @@ from tvm import relax
 
 from .. import _ty
 from ..errors import GradientError
+from .exprs import free_vars
 
 __all__ = [
     "Node",
@@ -763,32 +764,12 @@ def _cost(op: str, value, ty) -> float:
 
 
 def _reads(expr, index: dict, where: str) -> list[int]:
-    """Indices of the vars ``expr`` reads."""
-    if isinstance(expr, (relax.If, relax.SeqExpr)):
-        from .exprs import free_vars  # the pass's walker, which sees into nested scopes
-
-        found = free_vars(expr)
-    else:
-        found = _vars_read(expr, where)
+    """Indices of the vars ``expr`` reads (through the pass's one expression walker)."""
+    found = free_vars(expr)
     missing = [v.name for v in found if _ty.key(v) not in index]
     if missing:
         raise GradientError(f"{where}: {', '.join(missing)} used before being defined")
     return [index[_ty.key(v)] for v in found]
-
-
-def _vars_read(expr, where: str) -> list:
-    if isinstance(expr, relax.Var):
-        return [expr]
-    if isinstance(expr, relax.Call):
-        op = [expr.op] if isinstance(expr.op, relax.Var) else []
-        return [v for a in [*op, *expr.args] for v in _vars_read(a, where)]
-    if isinstance(expr, relax.Tuple):
-        return [v for f in expr.fields for v in _vars_read(f, where)]
-    if isinstance(expr, relax.TupleGetItem):
-        return _vars_read(expr.tuple_value, where)
-    if isinstance(expr, (relax.Function, relax.If, relax.SeqExpr)):
-        raise GradientError(f"{where}: cannot read a {type(expr).__name__} ({str(expr)[:60]})")
-    return []  # constants, shapes, strings, global vars, ops
 
 
 def _op_name(value) -> str:
