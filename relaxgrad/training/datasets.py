@@ -62,13 +62,13 @@ def load_digits(
 
 
 def minibatches(
-    n: int, batch_size: int, rng: np.random.Generator | None = None
+    n: int, batch_size: int, rng: np.random.Generator | None = None, drop_last: bool = True
 ) -> list[np.ndarray]:
     """Index arrays of one epoch: ``n // batch_size`` full batches, in the order of
     ``rng.permutation(n)`` (or in order when ``rng`` is None). The last incomplete batch is
-    dropped, so every batch has the model's static batch size."""
+    dropped (so every batch has a model's static batch size) unless ``drop_last`` is False."""
     if batch_size <= 0 or batch_size > n:
         raise ValueError(f"minibatches: batch_size must be in [1, {n}], not {batch_size}")
     order = np.arange(n) if rng is None else rng.permutation(n)
-    count = n // batch_size
+    count = n // batch_size if drop_last else -(-n // batch_size)
     return [order[i * batch_size : (i + 1) * batch_size] for i in range(count)]

@@ -63,9 +63,10 @@ class Model:
     torch_state: bool = False
 
     @property
-    def batch_size(self) -> int:
-        """The static batch size of the input."""
-        return _ty.static_shape(self.mod[self.func_name].params[0])[0]
+    def batch_size(self) -> int | None:
+        """The static batch size of the input (None when it is symbolic)."""
+        first = _ty.shape_values(self.mod[self.func_name].params[0])[0]
+        return int(first) if isinstance(first, tvm.tirx.IntImm) else None
 
 
 class _Builder:
@@ -112,8 +113,13 @@ def _build(x: relax.Var, builder: _Builder, layers) -> Model:
     return Model(bb.get(), builder.values)
 
 
+def _batch(batch_size: int | str):
+    """A static batch size, or a symbolic one named by a string (e.g. ``"n"``)."""
+    return tvm.tirx.Var(batch_size, "int64") if isinstance(batch_size, str) else batch_size
+
+
 def mlp(
-    batch_size: int = 32,
+    batch_size: int | str = 32,
     in_features: int = 64,
     hidden: Sequence[int] = (64,),
     num_classes: int = 10,
@@ -122,10 +128,11 @@ def mlp(
 ) -> Model:
     """A multilayer perceptron: ``dense -> relu`` per hidden layer, then a dense layer to logits.
 
-    Parameters are named ``fc<i>_weight`` and ``fc<i>_bias``.
+    Parameters are named ``fc<i>_weight`` and ``fc<i>_bias``; a string ``batch_size`` makes the
+    batch dim symbolic.
     """
     builder = _Builder(dtype, seed)
-    x = relax.Var("x", relax.TensorType((batch_size, in_features), dtype))
+    x = relax.Var("x", relax.TensorType((_batch(batch_size), in_features), dtype))
     sizes = [in_features, *hidden, num_classes]
     layers = []
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -136,7 +143,7 @@ def mlp(
 
 
 def cnn(
-    batch_size: int = 32,
+    batch_size: int | str = 32,
     image: tuple[int, int, int] = (1, 8, 8),
     channels: Sequence[int] = (16, 32),
     pools: Sequence[str] = ("max", "avg"),
@@ -156,6 +163,7 @@ def cnn(
         raise ValueError(f"cnn: pools {tuple(pools)} must have one entry per stage {channels}")
     pool_ops = {"max": op.nn.max_pool2d, "avg": op.nn.avg_pool2d}
     builder = _Builder(dtype, seed)
+    batch_size = _batch(batch_size)
     x = relax.Var("x", relax.TensorType((batch_size, *image), dtype))
     in_channels, height, width = image
     layers = []

@@ -47,9 +47,9 @@ class Trainer:
         The optimizer; ``init`` is called on the loss function's parameter vars.
     func_name : str
         Name of the model function.
-    target : str, dict or tvm.target.Target
+    target : str, dict or tvm.target.Target, optional
         Compilation target (see :func:`relaxgrad.compile`); this machine's CPU
-        (``relaxgrad.pipeline.host_target()``) by default, ``"llvm"`` for a portable build.
+        (``relaxgrad.pipeline.host_target()``) when None, ``"llvm"`` for a portable build.
     target_type : relax.Type, optional
         Type of the loss target; by default derived from the result by ``loss.target_type``.
     buffers : Mapping[str, np.ndarray], optional
@@ -84,7 +84,7 @@ class Trainer:
         optimizer: Optimizer,
         *,
         func_name: str = "main",
-        target=relaxgrad.pipeline.host_target(),
+        target=None,
         target_type: relax.Type | None = None,
         buffers: Mapping[str, np.ndarray] | None = None,
         updates: Sequence[str] = (),
@@ -97,6 +97,8 @@ class Trainer:
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
         self.eval_func = eval_func or func_name
         self.updates = tuple(updates)
+        if target is None:
+            target = relaxgrad.pipeline.host_target()
         self.device = _device(target)
         self.vm = relax.VirtualMachine(_compile(self.mod, target), self.device)
 
@@ -245,17 +247,19 @@ class Trainer:
 
         Each epoch visits ``minibatches(len(y), batch_size, rng)`` with one
         ``rng = np.random.default_rng(seed)`` for the whole call (``None`` without shuffle):
-        the incomplete last batch of an epoch is dropped. ``batch_size`` defaults to the
-        model's static batch size, and must equal it when there is one.
+        the incomplete last batch of an epoch is dropped when the model has a static batch size
+        (no padding: a model symbolic in the batch trains on it as it is). ``batch_size``
+        defaults to the model's static batch size, and must equal it when there is one.
         """
         batch_size = self._batch_size(batch_size)
         rng = np.random.default_rng(seed) if shuffle else None
-        per_epoch = len(y) // batch_size
+        drop_last = self.batch_size is not None
+        per_epoch = len(minibatches(len(y), batch_size, None, drop_last))
         losses: list[float] = []
         with _progress_bar(total=epochs * per_epoch, disable=not progress, unit="step") as bar:
             for epoch in range(epochs):
                 bar.set_description(f"epoch {epoch + 1}/{epochs}")
-                for idx in minibatches(len(y), batch_size, rng):
+                for idx in minibatches(len(y), batch_size, rng, drop_last):
                     losses.append(self.step(_take(x, idx), y[idx]))
                     bar.update()
                     bar.set_postfix(loss=f"{np.mean(losses[-per_epoch:]):.4f}", refresh=False)

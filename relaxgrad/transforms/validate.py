@@ -158,15 +158,14 @@ def _check_well_formed(mod: IRModule, func: Function, func_name: str) -> None:
             )
     if not isinstance(func.body, relax.SeqExpr):
         raise GradientError(f"Gradient: the body of function {func_name} is not normalized")
-    # the function with the module's other functions: a DataflowVar used outside its block,
-    # a var used before it is defined, ...
-    single = IRModule({gv: f for gv, f in mod.functions_items()})
+    # the function on its own (the rest of the module is not ours to judge): a DataflowVar used
+    # outside its block, a var used before it is defined, ...
     try:
-        relax.analysis.well_formed(single, check_ty=False)
+        relax.analysis.well_formed(func, check_ty=False)
     except Exception as err:  # TVM raises its own error kinds here
         detail = str(err).strip().splitlines()
         raise GradientError(
-            f"Gradient: function {func_name} (or its module) is not well formed: "
+            f"Gradient: function {func_name} is not well formed: "
             f"{detail[-1] if detail else err}"
         ) from None
 
