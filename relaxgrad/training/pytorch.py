@@ -7,8 +7,9 @@ The path (PyTorch is imported only when this is called):
    and their values after the forward pass are extra outputs.
 2. TVM's importer ``tvm.relax.frontend.torch.from_exported_program(...,
    keep_params_as_input=True)`` turns each into a Relax function: ``main`` (train mode) and
-   ``main_eval`` (eval mode). Parameters and buffers are renamed to the module's ``state_dict``
-   keys (``"0.weight"``, ``"bn.running_mean"``), in ``state_dict`` order after the inputs.
+   ``main_eval`` (eval mode, kept only when it differs from ``main``). Parameters and buffers
+   are renamed to the module's ``state_dict`` keys (``"0.weight"``, ``"bn.running_mean"``),
+   in ``state_dict`` order after the inputs.
 3. Both return a tuple: the module's output, then the new value of each buffer. The Trainer
    appends the loss to field 0, and after each step replaces the buffers by the other fields.
 
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule
 from tvm.relax import op
@@ -75,7 +77,8 @@ def from_torch(
     -------
     Model
         ``mod`` with ``<func_name>(*inputs, *params, *buffers)`` in train mode and
-        ``<func_name>_eval`` in eval mode, both returning ``(output, *new buffers)``;
+        ``<func_name>_eval`` in eval mode (only when the two differ, as with BatchNorm), both
+        returning ``(output, *new buffers)``;
         ``params`` (trainable parameters) and ``buffers`` as numpy arrays by ``state_dict``
         key; ``updates`` (the buffers replaced by fields 1.. of the result); ``state_keys``
         (the ``state_dict`` keys in order). ``Trainer.for_model(model, ...)`` trains it and
@@ -114,11 +117,13 @@ def from_torch(
             submodule.training = training
 
     names = input_names + param_keys + buffer_keys
-    mod = IRModule()
-    mod = with_function(mod, func_name, _with_param_names(*train, names, len(example_inputs)))
-    mod = with_function(
-        mod, f"{func_name}_eval", _with_param_names(*evaluation, names, len(example_inputs))
-    )
+    train = _with_param_names(*train, names, len(example_inputs))
+    evaluation = _with_param_names(*evaluation, names, len(example_inputs))
+    mod = with_function(IRModule(), func_name, train)
+    eval_func = None  # the same function in both modes (no BatchNorm, no dropout...)
+    if not tvm_ffi.structural_equal(train, evaluation):
+        eval_func = f"{func_name}_eval"
+        mod = with_function(mod, eval_func, evaluation)
     tensors = [*module.named_parameters(), *module.named_buffers()]
     values = {k: v.detach().cpu().numpy().copy() for k, v in tensors}
     return Model(
@@ -127,7 +132,7 @@ def from_torch(
         func_name,
         buffers={k: values[k] for k in param_keys + buffer_keys if k not in trainable},
         updates=tuple(buffer_keys),
-        eval_func=f"{func_name}_eval",
+        eval_func=eval_func,
         state_keys=tuple(state),
         torch_state=True,
     )
