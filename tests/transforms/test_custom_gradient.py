@@ -11,28 +11,7 @@ from tvm.script import relax as R
 import relaxgrad
 from relaxgrad import GradientError
 
-
-def _vm(mod):
-    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
-
-
-def _t(a):
-    return tvm.runtime.tensor(np.asarray(a))
-
-
-def _fd(f, inputs, i, eps=1e-6):
-    x = inputs[i]
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        vals = []
-        for sign in (1, -1):
-            moved = x.copy()
-            moved[idx] += sign * eps
-            args = list(inputs)
-            args[i] = moved
-            vals.append(f(*args))
-        grad[idx] = (vals[0] - vals[1]) / (2 * eps)
-    return grad
+from ._numeric import compiled, fd_gradient, tensor
 
 
 @I.ir_module
@@ -64,7 +43,7 @@ def test_straight_through_rounding():
     mod = relaxgrad.Gradient("main")(mod)
     rng = np.random.default_rng(0)
     x, w = rng.uniform(-2, 2, (2, 3)), rng.uniform(-2, 2, (2, 3))
-    loss, (gx, gw) = _vm(mod)["main_adjoint"](_t(x), _t(w))
+    loss, (gx, gw) = compiled(mod)["main_adjoint"](tensor(x), tensor(w))
     q = np.round(x * w)
     assert np.isclose(float(loss.numpy()), np.sum(q * q))
     # d loss / d q = 2q; through the identity backward of round: d/dx = 2q * w
@@ -100,21 +79,21 @@ def test_clipped_backward_against_hand_computed_values():
                                                                "clip_grad_bwd"))
     x = np.array([0.1, -0.05, 2.0, -1.5])
     a = np.array([1.0, 2.0, 0.5, 1.0])
-    loss, (gx, ga) = _vm(mod)["main_adjoint"](_t(x), _t(a))
+    loss, (gx, ga) = compiled(mod)["main_adjoint"](tensor(x), tensor(a))
     y = x * a
     dy = np.clip(6 * y, -1, 1)  # d loss/d y = 6y, clipped by the custom backward
     np.testing.assert_allclose(dy, [0.6, -0.6, 1.0, -1.0])
     np.testing.assert_allclose(gx.numpy(), dy * a, rtol=1e-12)
     np.testing.assert_allclose(ga.numpy(), dy * x, rtol=1e-12)
     # without the custom gradient: the true gradient (finite differences)
-    plain = _vm(relaxgrad.Gradient("main")(Clipped))
-    _, (px, pa) = plain["main_adjoint"](_t(x), _t(a))
+    plain = compiled(relaxgrad.Gradient("main")(Clipped))
+    _, (px, pa) = plain["main_adjoint"](tensor(x), tensor(a))
 
     def f(*args):
-        return float(plain["main"](*[_t(v) for v in args]).numpy())
+        return float(plain["main"](*[tensor(v) for v in args]).numpy())
 
-    np.testing.assert_allclose(px.numpy(), _fd(f, [x, a], 0), rtol=1e-6)
-    np.testing.assert_allclose(pa.numpy(), _fd(f, [x, a], 1), rtol=1e-6)
+    np.testing.assert_allclose(px.numpy(), fd_gradient(f, [x, a], 0), rtol=1e-6)
+    np.testing.assert_allclose(pa.numpy(), fd_gradient(f, [x, a], 1), rtol=1e-6)
 
 
 def test_custom_gradient_checks_the_contract():
@@ -151,9 +130,9 @@ def test_stop_gradient_numeric():
     built = bb.get()
     tvm.ir.assert_structural_equal(built["main"].body, Stop["main"].body, map_free_vars=True)
     mod = relaxgrad.Gradient("main")(built)
-    vm = _vm(mod)
+    vm = compiled(mod)
     x, w = np.array([0.5, -1.0, 2.0]), np.array([1.5, 0.25, -0.5])
-    loss, (gx, gw) = vm["main_adjoint"](_t(x), _t(w))
+    loss, (gx, gw) = vm["main_adjoint"](tensor(x), tensor(w))
     assert np.isclose(float(loss.numpy()), np.sum((x * w) ** 2))  # the value is unchanged
     # the gradient flows through a only (b is a constant): d/dx = b * w = x w^2
     np.testing.assert_allclose(gx.numpy(), x * w * w, rtol=1e-12)
@@ -162,4 +141,39 @@ def test_stop_gradient_numeric():
     def f(*args):
         return float(np.sum((args[0] * args[1]) ** 2))
 
-    np.testing.assert_allclose(gx.numpy(), _fd(f, [x, w], 0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(gx.numpy(), fd_gradient(f, [x, w], 0) / 2, rtol=1e-6)
+
+
+@I.ir_module
+class Scaled:  # a non-float parameter: the gradient the backward returns for it is ignored
+    @R.function
+    def scale(x: R.Tensor((3,), "float64"), k: R.Tensor((), "int64")):
+        with R.dataflow():
+            y = R.multiply(x, R.astype(k, "float64"))
+            R.output(y)
+        return y
+
+    @R.function
+    def scale_bwd(x: R.Tensor((3,), "float64"), k: R.Tensor((), "int64"),
+                  g: R.Tensor((3,), "float64")):
+        with R.dataflow():
+            gx = R.multiply(g, R.const(2.0, "float64"))  # deliberately not the true gradient
+            R.output(gx)
+        return (gx, k)
+
+    @R.function
+    def main(x: R.Tensor((3,), "float64"), k: R.Tensor((), "int64")):
+        cls = Scaled
+        with R.dataflow():
+            loss = R.sum(R.sin(cls.scale(x, k)))
+            R.output(loss)
+        return loss
+
+
+def test_custom_gradient_with_a_non_float_parameter():
+    mod = relaxgrad.Gradient("main", ["x"], strict=False)(
+        relaxgrad.custom_gradient(Scaled, "scale", "scale_bwd")
+    )
+    x = np.array([0.3, -0.7, 1.1])
+    _, (gx,) = compiled(mod)["main_adjoint"](tensor(x), tensor(np.array(3, "int64")))
+    np.testing.assert_allclose(gx.numpy(), 2 * np.cos(3 * x), rtol=1e-12)

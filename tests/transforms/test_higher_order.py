@@ -4,20 +4,13 @@ compiled code in float64."""
 
 import numpy as np
 import pytest
-import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relaxgrad
 
-
-def _vm(mod):
-    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
-
-
-def _t(a):
-    return tvm.runtime.tensor(np.asarray(a))
+from ._numeric import compiled, fd_gradient, tensor
 
 
 @I.ir_module
@@ -67,7 +60,7 @@ def test_hvp_of_mlp_matches_finite_differences_of_the_gradient(module):
     mod = _hvp_module(module)
     hvp = mod["main_adjoint_adjoint"]
     assert len(hvp.params) == 6  # main_adjoint's five, and the seed: a tuple like the grads
-    vm = _vm(mod)
+    vm = compiled(mod)
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (4, 3))
     if module is NLL:
@@ -78,11 +71,11 @@ def test_hvp_of_mlp_matches_finite_differences_of_the_gradient(module):
     v = [rng.standard_normal(p.shape) for p in params]
 
     def grad_at(ps):
-        _, grads = vm["main_adjoint"](_t(x), _t(y), *[_t(p) for p in ps])
+        _, grads = vm["main_adjoint"](tensor(x), tensor(y), *[tensor(p) for p in ps])
         return [g.numpy() for g in grads]
 
     (loss, grads), hx_grads = vm["main_adjoint_adjoint"](
-        _t(x), _t(y), *[_t(p) for p in params], tuple(_t(a) for a in v)
+        tensor(x), tensor(y), *[tensor(p) for p in params], tuple(tensor(a) for a in v)
     )
     # x, w1, b1, w2 -> H v for w1, b1, w2 (H is symmetric)
     got = [g.numpy() for g in hx_grads][1:]
@@ -99,7 +92,7 @@ def test_hvp_of_mlp_matches_finite_differences_of_the_gradient(module):
     gx = hx_grads[0].numpy()
 
     def dot_at(xx):
-        _, gs = vm["main_adjoint"](_t(xx), _t(y), *[_t(p) for p in params])
+        _, gs = vm["main_adjoint"](tensor(xx), tensor(y), *[tensor(p) for p in params])
         return sum(float(np.sum(g.numpy() * d)) for g, d in zip(gs, v))
 
     dx = rng.standard_normal(x.shape)
@@ -150,7 +143,7 @@ def _wgan_gp_module(lam=10.0):
 
 def test_gradient_penalty_gradient_matches_finite_differences():
     mod = _wgan_gp_module()
-    vm = _vm(mod)
+    vm = compiled(mod)
     rng = np.random.default_rng(1)
     data = [rng.standard_normal((6, 2)) + 2, rng.standard_normal((6, 2))]
     t = rng.uniform(0, 1, (6, 1))
@@ -158,25 +151,16 @@ def test_gradient_penalty_gradient_matches_finite_differences():
     w1, w2 = rng.uniform(-1, 1, (2, 8)), rng.uniform(-1, 1, (8, 1))
 
     def f(a, b):
-        return float(vm["objective"](*[_t(v) for v in (*data, mix, a, b)]).numpy())
+        return float(vm["objective"](*[tensor(v) for v in (*data, mix, a, b)]).numpy())
 
-    loss, (g1, g2) = vm["objective_adjoint"](*[_t(v) for v in (*data, mix, w1, w2)])
+    loss, (g1, g2) = vm["objective_adjoint"](*[tensor(v) for v in (*data, mix, w1, w2)])
     assert np.isclose(float(loss.numpy()), f(w1, w2))
-    eps = 1e-6
-    for grad, which in ((g1.numpy(), 0), (g2.numpy(), 1)):
-        fd = np.zeros_like(grad)
-        for idx in np.ndindex(*grad.shape):
-            moved = []
-            for sign in (1, -1):
-                ws = [w1.copy(), w2.copy()]
-                ws[which][idx] += sign * eps
-                moved.append(f(*ws))
-            fd[idx] = (moved[0] - moved[1]) / (2 * eps)
-        np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-8)
+    for i, grad in enumerate((g1.numpy(), g2.numpy())):
+        np.testing.assert_allclose(grad, fd_gradient(f, [w1, w2], i), rtol=1e-6, atol=1e-8)
 
 
 def test_gradient_penalty_trains_with_sgd():
-    vm = _vm(_wgan_gp_module())
+    vm = compiled(_wgan_gp_module())
     rng = np.random.default_rng(2)
     real = rng.standard_normal((6, 2)) * 0.5 + 1.5
     fake = rng.standard_normal((6, 2)) * 0.5 - 1.5
@@ -185,7 +169,7 @@ def test_gradient_penalty_trains_with_sgd():
     w1, w2 = rng.uniform(-0.5, 0.5, (2, 8)), rng.uniform(-0.5, 0.5, (8, 1))
     losses = []
     for _ in range(8):
-        loss, (g1, g2) = vm["objective_adjoint"](*[_t(v) for v in (real, fake, mix, w1, w2)])
+        loss, (g1, g2) = vm["objective_adjoint"](*[tensor(v) for v in (real, fake, mix, w1, w2)])
         losses.append(float(loss.numpy()))
         w1, w2 = w1 - 0.01 * g1.numpy(), w2 - 0.01 * g2.numpy()
     assert all(b < a for a, b in zip(losses, losses[1:])), losses

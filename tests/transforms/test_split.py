@@ -3,7 +3,6 @@ checkpoint policy. Every gradient is checked against finite differences on compi
 
 import numpy as np
 import pytest
-import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -12,35 +11,13 @@ import relaxgrad
 from relaxgrad import GradientError
 from relaxgrad.cli import main as cli_main
 
-
-def _vm(mod):
-    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
-
-
-def _t(a):
-    return tvm.runtime.tensor(np.asarray(a))
-
-
-def _fd(f, inputs, i, eps=1e-6):
-    """Central-difference gradient of the scalar ``f(*inputs)`` w.r.t. ``inputs[i]``."""
-    x = inputs[i]
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        vals = []
-        for sign in (1, -1):
-            moved = x.copy()
-            moved[idx] += sign * eps
-            args = list(inputs)
-            args[i] = moved
-            vals.append(f(*args))
-        grad[idx] = (vals[0] - vals[1]) / (2 * eps)
-    return grad
+from ._numeric import compiled, fd_gradient, tensor
 
 
 def _split_grads(mod, inputs, seeds=()):
-    vm = _vm(mod)
-    out, residuals = vm["main_fwd"](*[_t(a) for a in inputs])
-    grads = vm["main_bwd"](*list(residuals), *[_t(s) for s in seeds])
+    vm = compiled(mod)
+    out, residuals = vm["main_fwd"](*[tensor(a) for a in inputs])
+    grads = vm["main_bwd"](*list(residuals), *[tensor(s) for s in seeds])
     return out, [g.numpy() for g in grads], vm
 
 
@@ -99,11 +76,11 @@ def test_split_mlp_matches_finite_differences(checkpoint):
     out, grads, vm = _split_grads(mod, inputs)
 
     def f(*args):
-        return float(vm["main"](*[_t(a) for a in args]).numpy())
+        return float(vm["main"](*[tensor(a) for a in args]).numpy())
 
     assert np.isclose(float(out.numpy()), f(*inputs))
     for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
 
 
 def test_split_equals_the_adjoint_and_adds_no_adjoint():
@@ -113,8 +90,8 @@ def test_split_equals_the_adjoint_and_adds_no_adjoint():
     relax.analysis.well_formed(mod)
     inputs = _inputs(MLP["main"], seed=1)
     _, grads, _ = _split_grads(mod, inputs)
-    adj = _vm(relaxgrad.Gradient("main")(MLP))["main_adjoint"]
-    _, ref = adj(*[_t(a) for a in inputs])
+    adj = compiled(relaxgrad.Gradient("main")(MLP))["main_adjoint"]
+    _, ref = adj(*[tensor(a) for a in inputs])
     for g, r in zip(grads, ref):
         np.testing.assert_allclose(g, r.numpy(), rtol=1e-12)
 
@@ -149,10 +126,10 @@ def test_markers_save_only_checkpointed_values_and_recompute_the_rest():
     _, grads, vm = _split_grads(mod, inputs)
 
     def f(*args):
-        return float(vm["main"](*[_t(a) for a in args]).numpy())
+        return float(vm["main"](*[tensor(a) for a in args]).numpy())
 
     for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
 
 
 def test_seed_param_bwd_takes_the_output_gradient():
@@ -162,13 +139,45 @@ def test_seed_param_bwd_takes_the_output_gradient():
     inputs = _inputs(Vector["main"], seed=3)
     seed = np.random.default_rng(4).uniform(-1, 1, 3)
     out, grads, vm = _split_grads(mod, inputs, [seed])
-    np.testing.assert_allclose(out.numpy(), vm["main"](*[_t(a) for a in inputs]).numpy())
+    np.testing.assert_allclose(out.numpy(), vm["main"](*[tensor(a) for a in inputs]).numpy())
 
     def f(*args):  # <seed, main(args)>
-        return float(np.dot(seed, vm["main"](*[_t(a) for a in args]).numpy()))
+        return float(np.dot(seed, vm["main"](*[tensor(a) for a in args]).numpy()))
 
     for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, _fd(f, inputs, i), rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
+
+
+@I.ir_module
+class Calls:  # calls of module functions: <f>_bwd calls the callee's VJP
+    @R.function
+    def layer(x: R.Tensor((2, 3), "float64"), w: R.Tensor((3, 3), "float64")):
+        with R.dataflow():
+            y = R.tanh(R.matmul(x, w))
+            R.output(y)
+        return y
+
+    @R.function
+    def main(x: R.Tensor((2, 3), "float64"), w: R.Tensor((3, 3), "float64")):
+        cls = Calls
+        with R.dataflow():
+            h = cls.layer(cls.layer(x, w), w)
+            loss = R.sum(R.exp(h))
+            R.output(loss)
+        return loss
+
+
+def test_split_through_calls_of_functions():
+    mod = relaxgrad.Gradient("main", split=True)(Calls)
+    assert "layer_vjp" in {gv.name_hint for gv in mod.get_global_vars()}
+    inputs = _inputs(Calls["main"], seed=5)
+    _, grads, vm = _split_grads(mod, inputs)
+
+    def f(*args):
+        return float(vm["main"](*[tensor(a) for a in args]).numpy())
+
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
 
 
 def test_split_refuses_several_blocks():
