@@ -32,6 +32,7 @@ from .errors import GradientError
 from .schedules import ScheduleCPU, ScheduleGPU
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
+from .transforms.plan_memory import PlanBlockMemory
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
@@ -165,7 +166,7 @@ def _pipeline(
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),
-        relax.transform.StaticPlanBlockMemory(),
+        PlanBlockMemory(),  # StaticPlanBlockMemory, safe for If (see plan_memory.py)
         *after_planning,
         relax.transform.LowerAllocTensor(),
         relax.transform.KillAfterLastUse(),

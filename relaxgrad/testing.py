@@ -112,6 +112,7 @@ def check_gradients(
     seed: int = 0,
     target: str | dict | tvm.target.Target = "llvm",
     grad_pass: Callable | None = None,
+    compile: Callable | None = None,  # noqa: A002 (mirrors tvm.compile)
 ) -> GradCheck:
     """Check the gradients of ``mod[func_name]`` against finite differences on compiled code.
 
@@ -132,6 +133,9 @@ def check_gradients(
         Where to compile and run; ``{"kind": "llvm", "opt-level": 0}`` compiles ~3x faster.
     grad_pass : callable, optional
         ``(func_name, require_grads, target_index) -> Pass``; defaults to relaxgrad's Gradient.
+    compile : callable, optional
+        ``(mod, target) -> VMExecutable``; defaults to ``tvm.compile`` (``relaxgrad.compile``
+        builds with relaxgrad's pipeline).
     """
     func = mod[func_name]
     params = list(func.params)
@@ -147,7 +151,8 @@ def check_gradients(
     target = tvm.target.Target(target)
     kind = target.kind.name
     dev = tvm.cpu() if kind == "llvm" else tvm.device(kind)
-    vm = relax.VirtualMachine(tvm.compile(grad_mod, target=target), dev)
+    build = compile or (lambda m, t: tvm.compile(m, target=t))
+    vm = relax.VirtualMachine(build(grad_mod, target), dev)
     fwd, adj = vm[func_name], vm[func_name + "_adjoint"]
 
     def loss_at(values) -> float:
