@@ -14,18 +14,13 @@ from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
+from .exprs import is_op
 
 Msg = Expr | tuple | None
 
-_NO_GRAD = None  # resolved lazily: tvm.ir.Op.get("relax.grad.no_grad")
-
-
 def is_no_grad(expr: Expr) -> bool:
     """Whether ``expr`` is a ``relax.grad.no_grad(...)`` marker returned by a rule."""
-    global _NO_GRAD
-    if _NO_GRAD is None:
-        _NO_GRAD = relax.op.grad.no_grad(relax.const(0.0)).op
-    return isinstance(expr, relax.Call) and expr.op.same_as(_NO_GRAD)
+    return is_op(expr, "relax.grad.no_grad")
 
 
 def to_msg(expr: Expr, ty: Type | None = None) -> Msg:

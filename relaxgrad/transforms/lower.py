@@ -8,28 +8,25 @@ from tvm import relax
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .exprs import is_op
+
 __all__ = ["LowerCallTIRWithGrad", "lower_call_tir_with_grad"]
 
 
 @mutator
 class _Lower(PyExprMutator):
-    def __init__(self, mod: IRModule | None = None):
-        super().__init__(mod)
-        self.with_grad = Op.get("relax.call_tir_with_grad")
-        self.call_tir = Op.get("relax.call_tir")
-
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if isinstance(call.op, Op) and call.op.same_as(self.with_grad):
-            return relax.Call(self.call_tir, call.args, None, call.ty_args)
+        if is_op(call, "relax.call_tir_with_grad"):
+            return relax.Call(Op.get("relax.call_tir"), call.args, None, call.ty_args)
         return call
 
 
 def _uses_call_tir_with_grad(func: relax.Function) -> bool:
-    with_grad, found = Op.get("relax.call_tir_with_grad"), []
+    found = []
 
     def visit_call(call: relax.Call) -> None:
-        if isinstance(call.op, Op) and call.op.same_as(with_grad):
+        if is_op(call, "relax.call_tir_with_grad"):
             found.append(call)
 
     tvm_ffi.structural_walk(func, [(relax.Call, visit_call)])
