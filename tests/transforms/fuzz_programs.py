@@ -52,6 +52,8 @@ FOUND_BUGS = frozenset({
     "split_one",              # split into 1 section (TVM types it as a Tensor, not a tuple)
     "batch_norm_stats",       # batch_norm's moving mean/var fields (partial of the wrong shape)
     "scatter_small_indices",  # scatter_elements, indices smaller than data off the axis
+    "max_pool_overlap",       # max_pool2d with stride < pool size (TVM's backward kernel)
+    "avg_pool_ceil_cip",      # avg_pool2d, ceil_mode and count_include_pad, window overhang
 })
 
 
@@ -583,7 +585,9 @@ def _axes(g: Gen, rank):
 
 def _reduce(name, fn, kink=False, bound=lambda b, n: b, squash=None, rank0=True):
     def gen(g: Gen):
-        no0d = not rank0 and "prod_0d" in g.avoid
+        # TVM cannot compile max/min of a 0-d tensor; prod of 0-d is a known bug; std of
+        # one element is sqrt(0) (not differentiable)
+        no0d = not rank0 and (name != "prod" or "prod_0d" in g.avoid)
         x = g.tensor((lambda s: len(s) > 0) if no0d else None)
         if no0d and len(g.shape(x)) == 0:
             return
@@ -592,6 +596,11 @@ def _reduce(name, fn, kink=False, bound=lambda b, n: b, squash=None, rank0=True)
         if squash:
             x = g.squash(x, squash)
         axes = _axes(g, len(g.shape(x)))
+        if name == "std":  # groups of at least 2 elements (std > 0)
+            xs = g.shape(x)
+            ax = range(len(xs)) if axes is None else [axes] if isinstance(axes, int) else axes
+            if math.prod(xs[a] for a in ax) < 2:
+                return
         keep = g.src.boolean(0.4)
         n = max(1, math.prod(g.shape(x)))
         g.emit(name, lambda v: fn(v, axes, keep), [x], bound(g.bound(x), n))
@@ -600,11 +609,11 @@ def _reduce(name, fn, kink=False, bound=lambda b, n: b, squash=None, rank0=True)
 
 _reduce("sum", op.sum, bound=lambda b, n: b * n)
 _reduce("mean", op.mean)
-_reduce("max", op.max, kink=True)
-_reduce("min", op.min, kink=True)
+_reduce("max", op.max, kink=True, rank0=False)
+_reduce("min", op.min, kink=True, rank0=False)
 _reduce("prod", op.prod, squash=1.0, rank0=False)
 _reduce("variance", op.variance, bound=lambda b, n: 4 * b * b, squash=10)
-_reduce("std", op.std, bound=lambda b, n: 2 * b)
+_reduce("std", op.std, bound=lambda b, n: 2 * b, rank0=False)
 
 
 def _cum(name, fn):
@@ -631,7 +640,9 @@ _cum("cumprod", op.cumprod)
 def _argmax(g: Gen):
     x = g.jitter(g.tensor(lambda s: len(s) > 0))
     rank = len(g.shape(x))
-    axis = None if rank == 0 or g.src.boolean(0.3) else g.src.integer(0, rank - 1)
+    if rank == 0:  # TVM cannot reduce a 0-d tensor
+        return
+    axis = None if g.src.boolean(0.3) else g.src.integer(0, rank - 1)
     name = g.src.choice(("argmax", "argmin"))
     keep = g.src.boolean()
     i = g.emit(name, lambda v: getattr(op, name)(v, axis, keep), [x], 1, nograd=True)
@@ -845,6 +856,8 @@ def _strided_slice(g: Gen):
             s = g.src.integer(1, 2)
             b = g.src.integer(-d, d - 1)
             e = g.src.choice([d, 100, g.src.integer(1, d)])
+            if e < b % d:  # TVM rejects begin > end for a positive stride
+                e = d
         begin.append(b)
         end.append(e)
         strides.append(s)
@@ -1080,9 +1093,13 @@ def _layer_norm(g: Gen):
     xs = g.shape(x)
     if not xs:
         return
-    k = g.src.integer(1, min(2, len(xs)))
-    axes = list(range(len(xs) - k, len(xs)))
     name = g.src.choice(("layer_norm", "rms_norm"))
+    # TVM's rms_norm kernel fails to build over all axes
+    hi = min(2, len(xs) - (name == "rms_norm"))
+    if hi < 1:
+        return
+    k = g.src.integer(1, hi)
+    axes = list(range(len(xs) - k, len(xs)))
     gamma = _float32(g, g.like(xs[-k:]))
     x32 = _float32(g, x)
     if name == "layer_norm":
@@ -1144,9 +1161,13 @@ def _pool2d(g: Gen):
         x = g.jitter(x)
     size = g.src.integer(1, min(3, min(xs[2:])))
     strides = g.src.integer(1, 2)
+    if name == "max_pool2d" and "max_pool_overlap" in g.avoid:
+        strides = max(strides, size)
     padding = g.src.integer(0, size // 2)
     ceil = g.src.boolean(0.3)
     cip = g.src.boolean(0.3)
+    if name == "avg_pool2d" and ceil and cip and "avg_pool_ceil_cip" in g.avoid:
+        cip = False
     fn = getattr(op.nn, name)
     g.emit(name, lambda v: fn(v, size, strides, padding, ceil_mode=ceil, count_include_pad=cip),
            [x], g.bound(x))
@@ -1410,7 +1431,7 @@ def check_program(prog: Program, *, peer: bool = True, target=FAST_LLVM) -> Outc
     grads = [_to_numpy(g) for g in grads]
     orig, fwd = _to_numpy(orig), _to_numpy(fwd)
 
-    eps, tol = (1e-3, 5e-3) if prog.lowp else (1e-5, 1e-5)
+    eps, tol = (3e-4, 1e-2) if prog.lowp else (1e-5, 1e-5)
     problems = []
     for (p, a), (_, b) in zip(_leaves(fwd), _leaves(orig)):
         if not np.allclose(a, b, rtol=1e-9, atol=1e-9, equal_nan=True):
