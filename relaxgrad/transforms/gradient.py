@@ -67,7 +67,7 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
         ``If``, ``match_cast``, and look through a returned var bound to a tuple.
     split : bool
         True: add ``<func_name>_fwd`` and ``<func_name>_bwd`` instead of the adjoint (see
-        :mod:`relaxgrad.transforms.split`; one dataflow block only).
+        :mod:`relaxgrad.transforms.split`).
 
     Returns
     -------

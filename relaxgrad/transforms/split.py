@@ -17,7 +17,8 @@ backward`` saves inputs): ``_bwd`` takes nothing but residuals and output grads.
 memory (``_fwd`` returns the caller's own tensors); :func:`split_info` tells them apart.
 
 With ``seed="ones"`` (the default) ``_bwd`` takes no output gradient; with ``seed="param"``
-it takes one per target, after the residuals.
+it takes one per target, after the residuals. Functions of several blocks (``strict=False``) are
+cut block by block: each keeps its kind on both sides, and empty ones are dropped.
 """
 
 from __future__ import annotations
@@ -99,16 +100,11 @@ def split_gradient_module(mod: IRModule, **args) -> IRModule:
 
 
 def split_adjoint(adjoint: Function, forward: set, n_seeds: int, name: str):
-    """Cut ``adjoint`` (one dataflow block; its last ``n_seeds`` params are output grads) into
-    ``(fwd, bwd)``; ``forward`` holds the keys of the forward bindings' vars."""
-    blocks = adjoint.body.blocks
-    if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
-        raise GradientError(
-            f"Gradient: split=True supports functions of one dataflow block (as strict mode "
-            f"requires); the adjoint of {name} has {len(blocks)} blocks of kinds "
-            f"{[type(b).__name__ for b in blocks]}"
-        )
-    bindings = list(blocks[0].bindings)
+    """Cut ``adjoint`` (its last ``n_seeds`` params are output grads) into ``(fwd, bwd)``;
+    ``forward`` holds the keys of the forward bindings' vars. Each block keeps its kind; a
+    block left empty on one side is dropped."""
+    blocks = list(adjoint.body.blocks)
+    bindings = [b for block in blocks for b in block.bindings]
     ret = adjoint.body.body
     if not isinstance(ret, relax.Tuple) or len(ret.fields) != 2:
         raise GradientError(f"Gradient: unexpected adjoint result {ret} of {name}")
@@ -119,7 +115,7 @@ def split_adjoint(adjoint: Function, forward: set, n_seeds: int, name: str):
     # forward part: the forward bindings and whatever they (and the result) need
     defs = {_ty.key(b.var): b for b in bindings}
     needed = {k for k in forward if k in defs}
-    stack = [v for v in free_vars(orig_ret)] + [defs[k].var for k in needed]
+    stack = list(free_vars(orig_ret)) + [defs[k].var for k in needed]
     while stack:
         v = stack.pop()
         b = defs.get(_ty.key(v))
@@ -131,51 +127,72 @@ def split_adjoint(adjoint: Function, forward: set, n_seeds: int, name: str):
                 needed.add(k)
                 stack.append(u)
         needed.add(_ty.key(v))
-    fwd_bindings = [b for b in bindings if _ty.key(b.var) in needed]
-    bwd_bindings = [b for b in bindings if _ty.key(b.var) not in needed]
+    fwd_blocks = [_keep(block, needed, True) for block in blocks]
+    bwd_blocks = [_keep(block, needed, False) for block in blocks]
+    fwd_bindings = [b for block in fwd_blocks for b in block.bindings]
+    bwd_bindings = [b for block in bwd_blocks for b in block.bindings]
 
     # residuals: forward vars and primal params the backward reads, in definition order
     read: set = set()
     for b in bwd_bindings:
         read.update(_ty.key(v) for v in free_vars(b.value))
     read.update(_ty.key(v) for v in free_vars(grads))
-    seed_keys = {_ty.key(s) for s in seeds}
     residuals = [p for p in primal if _ty.key(p) in read]
     residuals += [b.var for b in fwd_bindings if _ty.key(b.var) in read]
-    unknown = read - needed - seed_keys - {_ty.key(p) for p in primal}
-    unknown -= {_ty.key(b.var) for b in bwd_bindings}
-    if unknown:  # e.g. a var of an inner scope: cannot happen with one dataflow block
-        raise GradientError(f"Gradient: split=True cannot place every value of {name}'s adjoint")
+    if any(isinstance(r, relax.DataflowVar) for r in residuals) and len(fwd_blocks) > 1:
+        raise GradientError(  # cannot happen: the general layout has no DataflowVar forward
+            f"Gradient: split=True cannot pass a dataflow var of {name} between functions"
+        )
 
-    fwd = _fwd_function(primal, fwd_bindings, orig_ret, residuals, adjoint)
-    bwd = _bwd_function(residuals, seeds, bwd_bindings, grads, adjoint, primal)
+    fwd = _fwd_function(primal, fwd_blocks, orig_ret, residuals, adjoint)
+    bwd = _bwd_function(residuals, seeds, bwd_blocks, grads, adjoint, primal)
     return fwd, bwd
 
 
-def _fwd_function(primal, bindings, orig_ret, residuals, adjoint) -> Function:
-    bb = relax.BlockBuilder()
-    with bb.function("fwd", primal, pure=adjoint.is_pure):
-        with bb.dataflow():
-            for b in bindings:
-                bb.emit_normalized(b)
-            out = bb.emit_output(relax.Tuple([orig_ret, relax.Tuple(residuals)]))
-        bb.emit_func_output(out)
-    func = bb.get()["fwd"]
-    return Function(func.params, func.body, None, func.is_pure, adjoint.attrs)
+def _keep(block, needed: set, forward: bool):
+    """The bindings of ``block`` on one side of the cut, in a block of the same kind."""
+    kept = [b for b in block.bindings if (_ty.key(b.var) in needed) == forward]
+    if isinstance(block, relax.DataflowBlock):
+        return relax.DataflowBlock(kept)
+    return relax.BindingBlock(kept)
 
 
-def _bwd_function(residuals, seeds, bindings, grads, adjoint, primal) -> Function:
+def _fwd_function(primal, blocks, orig_ret, residuals, adjoint) -> Function:
+    blocks = [b for b in blocks if b.bindings]
+    if len(blocks) == 1 and isinstance(blocks[0], relax.DataflowBlock):
+        # one dataflow block: its (dataflow) vars leave it through an output binding
+        bb = relax.BlockBuilder()
+        with bb.function("fwd", primal, pure=adjoint.is_pure):
+            with bb.dataflow():
+                for b in blocks[0].bindings:
+                    bb.emit_normalized(b)
+                out = bb.emit_output(relax.Tuple([orig_ret, relax.Tuple(residuals)]))
+            bb.emit_func_output(out)
+        func = bb.get()["fwd"]
+        return Function(func.params, func.body, None, func.is_pure, adjoint.attrs)
+    body = relax.SeqExpr(blocks, relax.Tuple([orig_ret, relax.Tuple(residuals)]))
+    body = relax.BlockBuilder().normalize(body)
+    return Function(primal, body, None, adjoint.is_pure, adjoint.attrs)
+
+
+def _bwd_function(residuals, seeds, blocks, grads, adjoint, primal) -> Function:
     remap = {r: relax.Var(r.name, r.ty) for r in residuals}
     primal_keys = {_ty.key(p) for p in primal}
-    new_bindings = []
-    for b in bindings:
-        value = substitute(b.value, remap)
-        if isinstance(b, relax.MatchCast):
-            new_bindings.append(relax.MatchCast(b.var, value, b.ty))
-        else:
-            new_bindings.append(relax.VarBinding(b.var, value))
+    new_blocks = []
+    for block in blocks:
+        if not block.bindings:
+            continue
+        new_bindings = []
+        for b in block.bindings:
+            value = substitute(b.value, remap)
+            if isinstance(b, relax.MatchCast):
+                new_bindings.append(relax.MatchCast(b.var, value, b.ty))
+            else:
+                new_bindings.append(relax.VarBinding(b.var, value))
+        kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
+        new_blocks.append(kind(new_bindings))
     params = [remap[r] for r in residuals] + list(seeds)
-    body = relax.SeqExpr([relax.DataflowBlock(new_bindings)], substitute(grads, remap))
+    body = relax.SeqExpr(new_blocks, substitute(grads, remap))
     body = relax.BlockBuilder().normalize(body)
     func = Function(params, body, None, adjoint.is_pure, adjoint.attrs)
     func = remove_unused(func)
@@ -226,7 +243,7 @@ def _residual(var, is_param: bool) -> Residual:
         count = 1
         for d in shape:
             count *= d
-        nbytes = count * tvm.runtime.DataType(dtype).bits // 8
+        nbytes = count * ((tvm.runtime.DataType(dtype).bits + 7) // 8)
     return Residual(var.name, shape, dtype, nbytes, is_param)
 
 

@@ -180,19 +180,46 @@ def test_split_through_calls_of_functions():
         np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
 
 
-def test_split_refuses_several_blocks():
-    @I.ir_module
-    class Blocks:
-        @R.function
-        def main(x: R.Tensor((3,), "float64")):
-            with R.dataflow():
-                a = R.tanh(x)
-                R.output(a)
-            loss = R.sum(a)
-            return loss
+@I.ir_module
+class Blocks:  # strict=False: several blocks, match_cast and If
+    @R.function
+    def main(
+        x: R.Tensor((3, 4), "float64"), w: R.Tensor((4, 2), "float64"), c: R.Tensor((), "bool")
+    ):
+        with R.dataflow():
+            a = R.tanh(R.matmul(x, w))
+            R.output(a)
+        b = R.multiply(a, a)
+        m = R.match_cast(b, R.Tensor((3, 2), "float64"))
+        if c:
+            d = R.sin(m)
+        else:
+            d = R.exp(m)
+        with R.dataflow():
+            loss = R.sum(R.multiply(d, a))
+            R.output(loss)
+        return loss
 
-    with pytest.raises(GradientError, match="one dataflow block"):
-        relaxgrad.Gradient("main", split=True, strict=False)(Blocks)
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_split_several_blocks_and_if(cond):
+    mod = relaxgrad.Gradient("main", ["x", "w"], split=True, strict=False)(Blocks)
+    relax.analysis.well_formed(mod)
+    kinds = [type(b).__name__ for b in mod["main_fwd"].body.blocks]
+    assert kinds[:2] == ["DataflowBlock", "BindingBlock"]
+    rng = np.random.default_rng(6)
+    x, w = rng.uniform(-1, 1, (3, 4)), rng.uniform(-1, 1, (4, 2))
+    c = np.array(cond)
+    vm = compiled(mod)
+    out, residuals = vm["main_fwd"](tensor(x), tensor(w), tensor(c))
+    gx, gw = (g.numpy() for g in vm["main_bwd"](*list(residuals)))
+
+    def f(x, w):
+        return float(vm["main"](tensor(x), tensor(w), tensor(c)).numpy())
+
+    assert np.isclose(float(out.numpy()), f(x, w))
+    np.testing.assert_allclose(gx, fd_gradient(f, [x, w], 0), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(gw, fd_gradient(f, [x, w], 1), rtol=1e-6, atol=1e-8)
 
 
 def test_split_info_without_split_mode():
