@@ -64,7 +64,7 @@ class SplitInfo:
     def __str__(self) -> str:
         lines = ["residuals of the split gradient:"]
         for r in self.residuals:
-            shape = "?" if r.shape is None else "(" + ", ".join(map(str, r.shape)) + ")"
+            shape = "?" if r.shape is None else str(r.shape).replace("'", "")
             size = "?" if r.nbytes is None else f"{r.nbytes} bytes"
             kind = " (parameter)" if r.is_param else ""
             lines.append(f"  {r.name}: {shape} {r.dtype}, {size}{kind}")
@@ -231,20 +231,30 @@ def split_info(mod: IRModule, func_name: str = "main") -> SplitInfo:
 
 
 def _residual(var, is_param: bool) -> Residual:
+    """A tensor's shape, dtype and bytes; a tuple's bytes are those of its tensors."""
     if not _ty.is_tensor(var):
-        return Residual(var.name, None, str(var.ty), None, is_param)
-    dtype = str(_ty.dtype_of(var))
+        return Residual(var.name, None, str(var.ty), _nbytes(var.ty), is_param)
     dims = _ty.shape_values(var)
-    if dims is None:
-        return Residual(var.name, None, dtype, None, is_param)
-    shape = tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
-    nbytes = None
-    if all(isinstance(d, int) for d in shape):
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * ((tvm.runtime.DataType(dtype).bits + 7) // 8)
-    return Residual(var.name, shape, dtype, nbytes, is_param)
+    shape = None
+    if dims is not None:
+        shape = tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in dims)
+    return Residual(var.name, shape, str(_ty.dtype_of(var)), _nbytes(var.ty), is_param)
+
+
+def _nbytes(ty) -> int | None:
+    """Bytes of a tensor type or of the tensors of a tuple type; None when not static."""
+    if _ty.is_tuple(ty):
+        sizes = [_nbytes(f) for f in _ty.tuple_fields(ty)]
+        return None if None in sizes else sum(sizes)
+    if not _ty.is_tensor(ty):
+        return 0  # shapes, prim values: nothing held in tensor memory
+    dims = _ty.shape_values(ty)
+    if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+        return None
+    count = 1
+    for d in dims:
+        count *= int(d)
+    return count * ((tvm.runtime.DataType(str(_ty.dtype_of(ty))).bits + 7) // 8)
 
 
 @tvm.transform.module_pass(opt_level=0, name="Gradient")

@@ -149,6 +149,54 @@ def test_seed_param_bwd_takes_the_output_gradient():
 
 
 @I.ir_module
+class Targets:  # two targets of a tuple result, one output gradient each
+    @R.function
+    def main(x: R.Tensor((3,), "float64"), w: R.Tensor((3,), "float64")):
+        with R.dataflow():
+            a = R.tanh(R.multiply(x, w))
+            b = R.exp(a)
+            gv = (a, R.sum(b), b)
+            R.output(gv)
+        return gv
+
+
+def test_seed_param_with_two_targets():
+    mod = relaxgrad.Gradient(
+        "main", target_index=[0, 2], seed="param", split=True, strict=False
+    )(Targets)
+    assert [p.name for p in mod["main_bwd"].params][-2:] == ["a_grad", "b_grad"]
+    rng = np.random.default_rng(7)
+    x, w, ga, gb = (rng.uniform(-1, 1, 3) for _ in range(4))
+    _, grads, vm = _split_grads(mod, [x, w], [ga, gb])
+
+    def f(x, w):
+        out = vm["main"](tensor(x), tensor(w))
+        return float(np.dot(ga, out[0].numpy()) + np.dot(gb, out[2].numpy()))
+
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, fd_gradient(f, [x, w], i), rtol=1e-6, atol=1e-8)
+
+
+@I.ir_module
+class Symbolic:
+    @R.function
+    def main(x: R.Tensor(("n", 4), "float32"), w: R.Tensor((4, 2), "float32")):
+        with R.dataflow():
+            h = R.tanh(R.matmul(x, w))
+            loss = R.sum(R.multiply(h, h))
+            R.output(loss)
+        return loss
+
+
+def test_split_info_with_a_symbolic_batch():
+    info = relaxgrad.split_info(relaxgrad.Gradient("main", split=True)(Symbolic))
+    h = next(r for r in info.residuals if r.name == "h")
+    assert h.shape == ("n", 2) and h.nbytes is None
+    assert info.total_bytes is None and info.param_bytes is None
+    assert "h: (n, 2) float32, ?" in str(info)
+
+
+@I.ir_module
 class Calls:  # calls of module functions: <f>_bwd calls the callee's VJP
     @R.function
     def layer(x: R.Tensor((2, 3), "float64"), w: R.Tensor((3, 3), "float64")):
@@ -245,4 +293,4 @@ def test_cli_split_prints_residuals(tmp_path, capsys):
     assert cli_main(["grad", str(path), "--split"]) == 0
     out = capsys.readouterr().out
     assert "main_fwd" in out and "main_bwd" in out
-    assert "y: (3) float32, 12 bytes" in out
+    assert "y: (3,) float32, 12 bytes" in out
