@@ -33,7 +33,7 @@ from tvm.relax import Function
 from .. import _ty
 from .._module import with_function
 from ..errors import GradientError
-from .exprs import free_vars, substitute
+from .exprs import _substitute_block, free_vars, substitute
 from .simplify import remove_unused
 
 __all__ = ["Residual", "SplitInfo", "split_info"]
@@ -178,19 +178,7 @@ def _fwd_function(primal, blocks, orig_ret, residuals, adjoint) -> Function:
 def _bwd_function(residuals, seeds, blocks, grads, adjoint, primal) -> Function:
     remap = {r: relax.Var(r.name, r.ty) for r in residuals}
     primal_keys = {_ty.key(p) for p in primal}
-    new_blocks = []
-    for block in blocks:
-        if not block.bindings:
-            continue
-        new_bindings = []
-        for b in block.bindings:
-            value = substitute(b.value, remap)
-            if isinstance(b, relax.MatchCast):
-                new_bindings.append(relax.MatchCast(b.var, value, b.ty))
-            else:
-                new_bindings.append(relax.VarBinding(b.var, value))
-        kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
-        new_blocks.append(kind(new_bindings))
+    new_blocks = [_substitute_block(block, remap) for block in blocks if block.bindings]
     params = [remap[r] for r in residuals] + list(seeds)
     body = relax.SeqExpr(new_blocks, substitute(grads, remap))
     body = relax.BlockBuilder().normalize(body)
