@@ -4,7 +4,9 @@
 function of the module, ``f_bwd(params of f..., output_grad) -> (one gradient per parameter of
 f)`` (the contract of TVM's ``FPrimalGradient``, for a function). The ``Gradient`` pass then
 calls ``f_bwd`` wherever a differentiated function calls ``f``, instead of differentiating
-``f``'s body. Gradients returned for non-float parameters are ignored.
+``f``'s body (in split mode too, and inside ``If`` branches). Gradients returned for non-float
+parameters are ignored. ``Gradient("f")`` itself still differentiates ``f``'s body: the custom
+backward serves the callers of ``f``.
 
 :func:`stop_gradient` wraps an expression in ``R.grad.no_grad``: its value is unchanged (TVM
 lowers ``no_grad`` to an identity) and no gradient flows through it.

@@ -177,3 +177,16 @@ def test_custom_gradient_with_a_non_float_parameter():
     x = np.array([0.3, -0.7, 1.1])
     _, (gx,) = compiled(mod)["main_adjoint"](tensor(x), tensor(np.array(3, "int64")))
     np.testing.assert_allclose(gx.numpy(), 2 * np.cos(3 * x), rtol=1e-12)
+
+
+def test_custom_gradient_in_split_mode():
+    mod = relaxgrad.Gradient("main", split=True)(relaxgrad.custom_gradient(STE, "quant",
+                                                                           "quant_bwd"))
+    rng = np.random.default_rng(3)
+    x, w = rng.uniform(-2, 2, (2, 3)), rng.uniform(-2, 2, (2, 3))
+    vm = compiled(mod)
+    _, residuals = vm["main_fwd"](tensor(x), tensor(w))
+    gx, gw = (g.numpy() for g in vm["main_bwd"](*list(residuals)))
+    q = np.round(x * w)
+    np.testing.assert_allclose(gx, 2 * q * w, rtol=1e-12)
+    np.testing.assert_allclose(gw, 2 * q * x, rtol=1e-12)
