@@ -1,6 +1,7 @@
 """The ``relaxgrad`` command line.
 
-``relaxgrad grad FILE.py --func main [--require-grads x w]`` prints the adjoint as TVMScript;
+``relaxgrad grad FILE.py --func main [--require-grads x w]`` prints the adjoint as TVMScript
+(with ``--split``: ``main_fwd``, ``main_bwd`` and the residuals passed between them);
 ``relaxgrad check FILE.py --func main`` checks its gradients numerically (exit 1 on failure);
 ``relaxgrad memory FILE.py --func main [--adjoint]`` prints a function's estimated and planned
 memory;
