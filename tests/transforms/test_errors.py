@@ -31,17 +31,6 @@ class Good:
 
 
 @I.ir_module
-class TargetTuple:
-    @R.function
-    def main(x: R.Tensor((3, 3), "float32")):
-        with R.dataflow():
-            lv = R.sum(x)
-            gv = (lv, lv)
-            R.output(gv)
-        return gv
-
-
-@I.ir_module
 class TargetNotScalar:
     @R.function
     def main(x: R.Tensor((3, 3), "float32")):
@@ -70,25 +59,6 @@ class TwoOutputs:
             b = R.sum(R.tanh(x))
             R.output(a, b)
         return a, (b, b)
-
-
-@I.ir_module
-class NoDataflow:
-    @R.function
-    def main(x: R.Tensor((3, 3), "float32")):
-        gv = R.sum(x)
-        return gv
-
-
-@I.ir_module
-class TwoBlocks:
-    @R.function
-    def main(x: R.Tensor((3, 3), "float32")):
-        with R.dataflow():
-            lv = R.tanh(x)
-            R.output(lv)
-        gv = R.sum(lv)
-        return gv
 
 
 @I.ir_module
@@ -123,72 +93,8 @@ class CallTIR:
                 b[vi, vj] = a[vi, vj] * T.float32(2)
 
 
-@I.ir_module
-class CallsFunction:
-    @R.function
-    def helper(x: R.Tensor((3, 3), "float32")) -> R.Tensor((3, 3), "float32"):
-        return R.tanh(x)
-
-    @R.function
-    def main(x: R.Tensor((3, 3), "float32")):
-        cls = CallsFunction
-        with R.dataflow():
-            lv = cls.helper(x)
-            gv = R.sum(lv)
-            R.output(gv)
-        return gv
-
-
-@I.ir_module
-class MatchCast:
-    @R.function
-    def main(x: R.Tensor(("n",), "float32")):
-        with R.dataflow():
-            y = R.match_cast(x, R.Tensor((3,), "float32"))
-            gv = R.sum(y)
-            R.output(gv)
-        return gv
-
-
-Z = relax.Var("z", relax.TensorType((3, 3), "float32"))
-
-CASES = [
-    # (id, module, Gradient kwargs, words the message must contain)
-    ("unknown_function", Good, {"func_name": "mian"}, ["'mian'", "main"]),
-    ("prim_func", Good, {"func_name": "twice"}, ["'twice'", "not a Relax function"]),
-    ("target_not_scalar", TargetNotScalar, {}, ["gv", "float scalar"]),
-    ("target_int", TargetInt, {}, ["gv", "float scalar"]),
-    ("target_index_single", Good, {"target_index": 1}, ["target_index", "main"]),
-    ("target_index_range", TwoOutputs, {"target_index": 2}, ["target_index 2", "2 values"]),
-    ("target_not_var", TwoOutputs, {"target_index": 1}, ["must be a Var", "main"]),
-    ("var_not_in_function", Good, {"require_grads": [Z]}, ["z", "must be a Var of this"]),
-    ("duplicate_require_grads", Good, {"require_grads": "x,x"}, ["x", "more than once"]),
-    ("int_require_grads", Good, {"require_grads": "n"}, ["n", "float tensors"]),
-    ("call_tir", CallTIR, {}, ["lv", "call_tir", "call_tir_with_grad"]),
-]
-
-
-def _kwargs(mod, kwargs):
-    kwargs = dict(kwargs)
-    kwargs.setdefault("func_name", "main")
-    names = kwargs.get("require_grads")
-    if isinstance(names, str):
-        params = {p.name: p for p in mod["main"].params}
-        kwargs["require_grads"] = [params[n] for n in names.split(",")]
-    return kwargs
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_error(case):
-    _, mod, kwargs, words = case
-    before = mod.script()
-    with pytest.raises(GradientError) as info:
-        relaxgrad.Gradient(**_kwargs(mod, kwargs))(mod)
-    message = str(info.value)
-    for word in words:
-        assert word in message, f"{word!r} not in {message!r}"
-    assert isinstance(info.value, ValueError)
-    assert mod.script() == before
+# The catalogue of bad inputs, each with the words its message must contain, is
+# tests/transforms/test_validation.py; these modules are shared with it.
 
 
 def test_error_keeps_type_in_sequential():
