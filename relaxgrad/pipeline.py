@@ -7,11 +7,15 @@ step (``dlight.ApplyDefaultSchedule``) fails the whole build as soon as one rule
 ``cross_entropy_with_logits``), that is, on every loss; the next rule, ``GeneralReduction``,
 would launch one kernel per input element for it, so :class:`FullReduction` comes first.
 
-CPU targets use :class:`ScheduleCPU`: ``tvm.compile`` leaves every CPU PrimFunc as naive
-single-threaded loops, so a 1024-wide matmul runs about 100 times slower than it could.
-:class:`TiledMatmul` gives matmuls (with their fused epilogues) register tiles, a packed
-panel of the right operand, vectorization and threads; :class:`ParallelLoops` parallelizes and
-vectorizes the rest. A PrimFunc that no rule schedules is built as it is.
+CPU targets (by default this machine's CPU, :func:`host_target`) first rewrite, before
+legalization, 2-D convolutions and their gradients into im2col/col2im gathers and matmuls
+(:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of the OpenBLAS
+``sgemm`` that numpy ships (:class:`MatmulToBLAS`). Then :class:`ScheduleCPU`: ``tvm.compile``
+leaves every CPU PrimFunc as naive single-threaded loops, so a 1024-wide matmul runs about 100
+times slower than it could. :class:`TiledMatmul` gives the remaining matmuls (with their fused
+epilogues) register tiles, a packed panel of the right operand, vectorization and threads;
+:class:`ParallelLoops` parallelizes and vectorizes the rest. A PrimFunc that no rule schedules
+is built as it is.
 
 ``relaxgrad.compile`` is the function; targets and pipelines live here, the schedule steps and
 their rules in ``relaxgrad.schedules``. Both kinds of
@@ -29,7 +33,7 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 from .errors import GradientError
-from .schedules import ScheduleCPU, ScheduleGPU
+from .schedules import ConvToMatmul, MatmulToBLAS, ScheduleCPU, ScheduleGPU
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -51,7 +55,7 @@ _log = logging.getLogger(__name__)
 
 def compile(  # noqa: A001 (mirrors tvm.compile)
     mod: IRModule,
-    target: str | Mapping | Target = "llvm",
+    target: str | Mapping | Target | None = None,
     *,
     schedule: tvm.transform.Pass | None = None,
 ) -> relax.VMExecutable:
@@ -61,9 +65,11 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     ----------
     mod : IRModule
         The module; its Relax functions are legalized, fused, scheduled and built.
-    target : str, dict or Target
-        ``"llvm"``, ``"cuda"``, a JSON-dict target such as ``{"kind": "cuda", "arch": "sm_90"}``,
-        or a ``tvm.target.Target``; see :func:`resolve_target`.
+    target : str, dict or Target, optional
+        By default this machine's CPU (:func:`host_target`: AVX2, AVX-512, ... where it has
+        them); ``"llvm"`` for a portable x86-64 (or other architecture) build; ``"cuda"``, a
+        JSON-dict target such as ``{"kind": "cuda", "arch": "sm_90"}``, or a
+        ``tvm.target.Target``; see :func:`resolve_target`.
     schedule : Pass, optional
         The schedule step; defaults to ``ScheduleGPU()`` for GPU targets and ``ScheduleCPU()``
         for CPU ones. Pass your own instance to choose the rules or to read its ``choices``
@@ -90,12 +96,14 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     return tvm.compile(mod, target)
 
 
-def resolve_target(target: str | Mapping | Target) -> Target:
-    """A ``Target`` from a string, a JSON-style dict or a ``Target``.
+def resolve_target(target: str | Mapping | Target | None) -> Target:
+    """A ``Target`` from a string, a JSON-style dict or a ``Target`` (None: :func:`host_target`).
 
     A CUDA target without an ``arch`` gets the arch of the local GPU, or
     :data:`DEFAULT_CUDA_ARCH` when there is none (TVM itself would pick ``sm_50``).
     """
+    if target is None:
+        return host_target()
     if isinstance(target, Target):
         return target
     if isinstance(target, str) and target.strip() == "cuda":
@@ -132,11 +140,12 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
-    return _pipeline(schedule, cuda_graph, "relaxgrad.gpu_pipeline")
+    return _pipeline(schedule, [], cuda_graph, "relaxgrad.gpu_pipeline")
 
 
 def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> tvm.transform.Pass:
-    """The Relax pipeline for an ``llvm`` target: TVM's CPU pipeline
+    """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
+    :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
     ``ScheduleCPU()``) as its scheduling step after fusion.
 
@@ -146,16 +155,20 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU()
-    return _pipeline(schedule, [], "relaxgrad.cpu_pipeline")
+    return _pipeline(schedule, [ConvToMatmul(), MatmulToBLAS()], [], "relaxgrad.cpu_pipeline")
 
 
 def _pipeline(
-    schedule: tvm.transform.Pass, after_planning: list[tvm.transform.Pass], name: str
+    schedule: tvm.transform.Pass,
+    before_legalizing: list[tvm.transform.Pass],
+    after_planning: list[tvm.transform.Pass],
+    name: str,
 ) -> tvm.transform.Pass:
     """Legalize, fuse, ``schedule``, then TVM's lowering and VM passes."""
     passes = [
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
+        *before_legalizing,
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -469,3 +469,14 @@ def test_gpu_kernels_from_legalization_are_kept():
     relaxgrad.compile(mod, CUDA, schedule=schedule)
     assert not any(name.startswith("scatter_elements") for name in schedule.choices)
     assert schedule.choices  # the other kernels were scheduled by rules
+
+
+def test_default_target_is_this_cpu():
+    """``relaxgrad.compile`` builds for this machine's CPU unless told ``"llvm"`` (a portable
+    build), which keeps working."""
+    assert str(resolve_target(None)) == str(host_target())
+    mod = adjoint_module("mlp")
+    inputs = random_inputs(mod["main"], seed=1)
+    native = _run(relaxgrad.compile(mod), "main", inputs)
+    portable = _run(relaxgrad.compile(mod, "llvm"), "main", inputs)
+    np.testing.assert_allclose(native[0], portable[0], rtol=1e-5, atol=1e-6)

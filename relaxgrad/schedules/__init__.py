@@ -3,15 +3,20 @@
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
 (:class:`TiledMatmul`, dlight's CPU rules, :class:`ParallelLoops`) share one mechanism: a rule
 that raises or whose schedule fails verification falls through to the next, and the choice is
-recorded in ``choices`` / ``errors``.
+recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
+matmuls (:class:`ConvToMatmul`) and large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`).
 """
 
+from .blas import MatmulToBLAS
+from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
+    "ConvToMatmul",
     "FullReduction",
+    "MatmulToBLAS",
     "ParallelLoops",
     "ScheduleCPU",
     "ScheduleGPU",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import tvm_ffi
-from tvm import tirx
+from tvm import relax, tirx
+from tvm.ir import IRModule
 from tvm.target import Target
+
+from .. import _ty
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
 
@@ -28,6 +31,22 @@ def is_scheduled(func: tirx.PrimFunc) -> bool:
     tvm_ffi.structural_walk(func.body, callbacks, order="pre")
     return bool(found)
 
+
+def rewrite_functions(mutator, mod: IRModule) -> IRModule:
+    """``mod`` with every Relax function visited by ``mutator`` (a ``PyExprMutator`` of
+    ``mod``), and the functions it added."""
+    for gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return mutator.builder_.get()
+
+
+def static_shape(expr) -> list[int] | None:
+    """The shape of a tensor expr as ints; None unless it is a tensor of static shape."""
+    if not _ty.is_tensor(expr) or _ty.shape_of(expr) is None:
+        return None
+    shape = _ty.shape_values(expr)
+    return [int(d) for d in shape] if all(isinstance(d, tirx.IntImm) for d in shape) else None
 
 
 def first_line(err: Exception) -> str:

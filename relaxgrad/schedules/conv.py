@@ -1,0 +1,236 @@
+"""2-D convolutions as matmuls (im2col / col2im), a Relax rewrite before legalization (CPU).
+
+TVM legalizes a convolution to one loop nest whose reduction reads a padded input through
+``y * stride + ky`` indices; even tiled (:class:`TiledMatmul`), it runs far below a matmul of
+the same size. :class:`ConvToMatmul` rewrites the three convolutions a training step runs
+(2-D, ``groups=1``, static shapes) into an unfused gather (im2col) or scatter (col2im) kernel
+and a plain ``R.matmul``, which the matmul schedule or BLAS then runs:
+
+- forward ``conv2d`` (``NCHW``, ``OIHW``): ``y[n] = W (O, C*KH*KW) @ cols[n] (C*KH*KW, OH*OW)``;
+- the weight gradient, ``conv2d`` with layouts ``CNHW`` / ``IOHW`` / ``CNHW`` (as emitted by
+  relaxgrad's rule): ``dw (O, C*KH*KW) = g (O, N*OH*OW) @ cols (N*OH*OW, C*KH*KW)``;
+- the data gradient, ``conv2d_transpose`` (``NCHW``, ``IOHW``):
+  ``cols[n] = W^T (C*KH*KW, O) @ g[n] (O, H*W)``, then col2im sums the ``KH*KW`` taps.
+
+Other convolutions (grouped, 1-D/3-D, other layouts) are left to legalization. The same pass
+rewrites the gradient of a max pooling whose windows tile the input (``max_pool2d_backward``
+with stride = window, as in a CNN's 2x2 pools): each window's argmax once, then one gather,
+instead of TVM's recomputation of every window an input element could be in.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, s_tir, te, tirx
+from tvm.ir import IRModule, Op
+from tvm.relax import op
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .. import _ty
+from ._common import rewrite_functions, static_shape
+
+_OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter unfused
+
+
+@tvm.transform.module_pass(opt_level=0, name="ConvToMatmul")
+class ConvToMatmul:
+    """Rewrite 2-D convolutions into im2col/col2im and matmuls, and tiling max-pool gradients
+    into an argmax and a gather (see the module docstring)."""
+
+    def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
+        return rewrite_functions(_Rewriter(mod), mod)
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.conv2d = Op.get("relax.nn.conv2d")
+        self.conv2d_transpose = Op.get("relax.nn.conv2d_transpose")
+        self.max_pool_backward = Op.get("relax.grad.max_pool2d_backward")
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op.same_as(self.max_pool_backward):
+            return self._max_pool_backward(call)
+        if not any(call.op.same_as(conv) for conv in (self.conv2d, self.conv2d_transpose)):
+            return call
+        x, w = call.args
+        shapes = [static_shape(t) for t in (x, w, call)]
+        attrs = call.attrs
+        if (
+            any(s is None or len(s) != 4 for s in shapes)
+            or int(attrs.groups) != 1
+            or any(_ty.dtype_of(t) != _ty.dtype_of(call) for t in (x, w))
+        ):
+            return call
+        layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
+        conv = _Params(attrs)
+        if call.op.same_as(self.conv2d) and layouts == ("NCHW", "OIHW", "NCHW"):
+            return self._forward(x, w, conv, *shapes)
+        if call.op.same_as(self.conv2d) and layouts == ("CNHW", "IOHW", "CNHW"):
+            return self._weight_grad(x, w, conv, *shapes)
+        if call.op.same_as(self.conv2d_transpose) and layouts == ("NCHW", "IOHW", "NCHW"):
+            return self._data_grad(x, w, conv, *shapes)
+        return call
+
+    def _max_pool_backward(self, call: relax.Call) -> relax.Expr:
+        """``dx`` of a max pooling whose windows tile the input (NCHW, stride = window, no
+        padding or dilation): ``g`` of the window where ``x`` is the window's first maximum
+        in raster order (TVM's tie rule), else 0. TVM's legalization instead sums, per input
+        element, over every window that could hold it, recomputing each window's argmax."""
+        g, x = call.args
+        attrs = call.attrs
+        (kh, kw), shapes = (int(v) for v in attrs.pool_size), [static_shape(t) for t in (g, x)]
+        if (
+            attrs.layout != "NCHW"
+            or attrs.out_layout != "NCHW"
+            or any(s is None or len(s) != 4 for s in shapes)
+            or [int(v) for v in attrs.strides] != [kh, kw]
+            or any(int(v) != 0 for v in attrs.padding)
+            or any(int(v) != 1 for v in attrs.dilation)
+            or bool(attrs.ceil_mode)
+        ):
+            return call
+        gh, gw = shapes[0][2:]
+
+        def argmax(data):  # the window's first maximum, as ty * kw + tx
+            def value(b, ci, oy, ox):
+                best = data[b, ci, oy * kh, ox * kw]
+                index = tirx.const(0, "int32")
+                for tap in range(1, kh * kw):
+                    other = data[b, ci, oy * kh + tap // kw, ox * kw + tap % kw]
+                    index = tirx.Select(other > best, tirx.const(tap, "int32"), index)
+                    best = tirx.max(best, other)
+                return index
+
+            return te.compute(shapes[0], value, name="window_argmax")
+
+        def unpool(grad, index):
+            def value(b, ci, y, x):
+                oy, ox = tirx.min(y // kh, gh - 1), tirx.min(x // kw, gw - 1)
+                hit = tirx.all(y < gh * kh, x < gw * kw,
+                               index[b, ci, oy, ox] == (y % kh) * kw + x % kw)  # fmt: skip
+                return tirx.if_then_else(hit, grad[b, ci, oy, ox], tirx.const(0, grad.dtype))
+
+            return te.compute(shapes[1], value, name="max_unpool")
+
+        index = self._emit_te(argmax, [x], "window_argmax", vectorize=False)
+        return self._emit_te(unpool, [g, index], "max_unpool")
+
+    def _emit_te(self, compute, args, name: str, vectorize: bool = True) -> relax.Var:
+        """Emit ``compute`` as an unfusable PrimFunc called with ``args``."""
+        placeholders = [te.placeholder(static_shape(a), _ty.dtype_of(a), f"in{i}")
+                        for i, a in enumerate(args)]  # fmt: skip
+        out = compute(*placeholders)
+        func = te.create_prim_func([*placeholders, out]).without_attr("global_symbol")
+        func = _schedule(func, vectorize)
+        func = func.with_attr("op_pattern", _OPAQUE)
+        gvar = self.builder_.add_func(func, name)
+        out_type = relax.TensorType([int(d) for d in out.shape], out.dtype)
+        return self.builder_.emit(relax.call_tir(gvar, list(args), out_type))
+
+    def _im2col(self, x, conv: _Params, order: str, extents: dict[str, int], name: str):
+        """``x[n, c, p * stride + r * dilation - pad, q * stride + s * dilation - pad]`` (0 in
+        the padding) as a tensor with axes ``order``, a permutation of ``"ncpqrs"``."""
+
+        def im2col(data):
+            def value(i0, i1, i2, i3, i4, i5):
+                at = dict(zip(order, (i0, i1, i2, i3, i4, i5), strict=True))
+                return _padded(data, conv, *(at[axis] for axis in "ncpqrs"))
+
+            return te.compute([extents[axis] for axis in order], value, name=name)
+
+        return self._emit_te(im2col, [x], name)
+
+    def _forward(self, x, w, conv: _Params, x_shape, w_shape, y_shape) -> relax.Expr:
+        n, c, _, _ = x_shape
+        o, _, kh, kw = w_shape
+        oh, ow = y_shape[2:]
+        taps = c * kh * kw
+        cols = self._im2col(x, conv, "ncrspq", dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow), "im2col")
+        cols = op.reshape(cols, (n, taps, oh * ow))
+        y = op.matmul(op.reshape(w, (o, taps)), cols)  # (n, o, oh * ow)
+        return op.reshape(y, y_shape)
+
+    def _weight_grad(self, x, g, conv: _Params, x_shape, g_shape, dw_shape) -> relax.Expr:
+        # x (N, C, H, W) read as CNHW, g (N, O, OH, OW) read as IOHW, dw (O, C, KH, KW) as CNHW:
+        # dw[o, c, ky, kx] = sum_{n, oy, ox} xpad[n, c, ky * s + oy * d, kx * s + ox * d] *
+        # g[n, o, oy, ox], with s and d this convolution's strides and dilation.
+        n, c, _, _ = x_shape
+        _, o, oh, ow = g_shape
+        kh, kw = dw_shape[2:]
+        taps = c * kh * kw
+        extents = dict(c=c, p=kh, q=kw, n=n, r=oh, s=ow)
+        cols = op.reshape(self._im2col(x, conv, "cpqnrs", extents, "im2col_t"), (taps, n * oh * ow))
+        g2 = op.reshape(op.permute_dims(g, [1, 0, 2, 3]), (o, n * oh * ow))
+        return op.reshape(op.matmul(g2, op.permute_dims(cols)), dw_shape)
+
+    def _data_grad(self, g, w, conv: _Params, g_shape, w_shape, dx_shape) -> relax.Expr:
+        # dx[n, c, y, x] = sum_{o, ky, kx} g[n, o, oy, ox] * w[o, c, ky, kx] where
+        # oy * s - pad_top + ky * d == y (and the same for x).
+        n, o, gh, gw = g_shape
+        _, c, kh, kw = w_shape
+        h, wd = dx_shape[2:]
+        taps = c * kh * kw
+        wt = op.permute_dims(op.reshape(w, (o, taps)), [1, 0])
+        cols = self.builder_.emit(op.matmul(wt, op.reshape(g, (n, o, gh * gw))))  # (n, taps, ..)
+        (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
+
+        def col2im(data):
+            ky = te.reduce_axis((0, kh), "ky")
+            kx = te.reduce_axis((0, kw), "kx")
+
+            def value(b, ci, y, x):
+                ty, tx = y + top - ky * dh, x + left - kx * dw
+                oy, ox = tirx.floordiv(ty, sh), tirx.floordiv(tx, sw)
+                inside = tirx.all(
+                    ty >= 0, tx >= 0, tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0,
+                    oy < gh, ox < gw,
+                )  # fmt: skip
+                tap = (ci * kh + ky) * kw + kx
+                read = data[b, tap, tirx.min(oy, gh - 1) * gw + tirx.min(ox, gw - 1)]
+                return te.sum(tirx.if_then_else(inside, read, tirx.const(0, data.dtype)),
+                              axis=[ky, kx])  # fmt: skip
+
+            return te.compute((n, c, h, wd), value, name="col2im")
+
+        return self._emit_te(col2im, [cols], "col2im")
+
+
+def _schedule(func: tirx.PrimFunc, vectorize: bool) -> tirx.PrimFunc:
+    """Threads over the outer loops, SIMD over the innermost output dim (contiguous reads of
+    the image rows for stride 1); a reduction's taps go between them."""
+    sch = s_tir.Schedule(func)
+    (block,) = sch.get_child_blocks(sch.get_sblock("root"))
+    loops = sch.get_loops(block)
+    spatial = [v for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar]
+    outer, inner, taps = loops[: len(spatial) - 1], loops[len(spatial) - 1], loops[len(spatial) :]
+    if taps:
+        sch.reorder(*outer, *taps, inner)
+    sch.parallel(sch.fuse(*outer))
+    if vectorize:
+        sch.vectorize(inner)
+    if taps:
+        sch.decompose_reduction(block, taps[0])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+class _Params:
+    """Strides, dilation and padding (top, left, bottom, right) of a 2-D convolution."""
+
+    def __init__(self, attrs):
+        self.strides = tuple(int(v) for v in attrs.strides)
+        self.dilation = tuple(int(v) for v in attrs.dilation)
+        pad = [int(v) for v in attrs.padding]
+        self.padding = tuple(pad * 4 if len(pad) == 1 else pad * 2 if len(pad) == 2 else pad)
+
+
+def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
+    """``data[b, ci, oy * stride + ky * dilation - pad, ...]``, zero in the padding."""
+    (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
+    iy, ix = oy * sh + ky * dh - top, ox * sw + kx * dw - left
+    h, w = (int(v) for v in data.shape[2:])
+    inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+    value = data[b, ci, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0)]
+    return tirx.if_then_else(inside, value, tirx.const(0, data.dtype))

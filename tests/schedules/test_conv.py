@@ -1,0 +1,92 @@
+"""ConvToMatmul (relaxgrad/schedules/conv.py): convolutions and both of their gradients as
+im2col/col2im and matmuls give TVM's values, for strides, dilation and uneven padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+import relaxgrad
+from relaxgrad.schedules.conv import ConvToMatmul
+
+CASES = [
+    ((2, 3, 6, 6), (4, 3, 3, 3), dict(padding=1)),
+    ((2, 3, 7, 6), (4, 3, 3, 2), dict(strides=2, padding=(1, 0, 2, 1))),
+    ((1, 2, 9, 9), (3, 2, 3, 3), dict(dilation=2, padding=1)),
+    ((1, 2, 9, 8), (3, 2, 3, 3), dict(dilation=(2, 1), strides=(1, 3))),
+    ((4, 8, 12, 12), (16, 8, 3, 3), dict(padding=1)),  # matmuls large enough for BLAS
+]
+
+
+def _adjoint(x_shape, w_shape, conv_attrs) -> tvm.IRModule:
+    """``main(x, w) = sum(conv2d(x, w) ** 2)`` and its adjoint (conv2d, conv2d_transpose and
+    the weight gradient's CNHW/IOHW conv2d)."""
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    w = relax.Var("w", relax.TensorType(w_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.conv2d(x, w, **conv_attrs))
+            out = bb.emit_output(op.sum(op.multiply(y, y)))
+        bb.emit_func_output(out)
+    return relaxgrad.Gradient("main")(bb.get())
+
+
+def _run(executable, inputs):
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
+    return [loss.numpy()] + [g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, conv_attrs", CASES)
+def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs):
+    mod = _adjoint(x_shape, w_shape, conv_attrs)
+    rewritten = ConvToMatmul()(mod)
+    names = {gv.name_hint for gv in rewritten.get_global_vars()}
+    assert {"im2col", "im2col_t", "col2im"} <= names
+    assert "relax.nn.conv2d" not in rewritten.script()
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
+    got = _run(relaxgrad.compile(mod), inputs)
+    want = _run(tvm.compile(mod, "llvm"), inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
+def test_grouped_conv_is_left_to_legalization():
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "float32"))
+    w = relax.Var("w", relax.TensorType((4, 2, 3, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        out = bb.emit(op.nn.conv2d(x, w, groups=2))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert ConvToMatmul()(mod).script() == mod.script()
+
+
+@pytest.mark.parametrize(
+    "x_shape, window, relu",
+    [((2, 3, 8, 8), 2, True), ((2, 3, 9, 7), 2, False), ((1, 2, 9, 9), 3, True),
+     ((1, 2, 8, 6), (2, 3), False)],
+)  # fmt: skip
+def test_max_pool_gradient_matches_tvm_with_ties(x_shape, window, relu):
+    """Each window's gradient goes to its first maximum, as TVM's: relu's zeros and a window of
+    equal values tie; rows and columns past the last window get none."""
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            pooled = bb.emit(op.nn.max_pool2d(op.nn.relu(x) if relu else x, window, window))
+            out = bb.emit_output(op.sum(op.multiply(pooled, pooled)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    assert "max_unpool" in {gv.name_hint for gv in ConvToMatmul()(mod).get_global_vars()}
+    data = np.random.default_rng(0).standard_normal(x_shape).astype("float32")
+    data[0, 0, :3, :3] = 0.5
+    got = _run(relaxgrad.compile(mod), [data])
+    want = _run(tvm.compile(mod, "llvm"), [data])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
