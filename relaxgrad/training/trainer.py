@@ -65,6 +65,7 @@ class Trainer:
         Micro-batches per optimizer step (:mod:`relaxgrad.training.accumulate`): :meth:`step`
         cuts its batch into ``accumulate`` equal parts of the compiled batch size and steps with
         their mean gradient; :meth:`fit` then takes batches of ``accumulate`` times that size.
+        With a symbolic batch size, the parts are as equal as can be, weighted by their rows.
 
     Examples
     --------

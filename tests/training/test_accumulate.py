@@ -73,3 +73,20 @@ def test_accumulate_errors():
         Trainer(model.mod, model.params, CrossEntropyLoss(), SGD(0.1), accumulate=0)
     with pytest.raises(ValueError, match="equal micro-batches"):
         split_batch(np.zeros((7, 6)), np.zeros(7), 2)
+
+
+def test_symbolic_batch_takes_unequal_micro_batches():
+    model = mlp(batch_size="n", in_features=6, hidden=(8,), num_classes=3, dtype="float64")
+    acc = Trainer(model.mod, model.params, CrossEntropyLoss(), Adam(0.01), accumulate=3)
+    ref = Trainer(model.mod, model.params, CrossEntropyLoss(), Adam(0.01))
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((10, 6)), rng.integers(0, 3, 10)  # micro-batches of 3, 4, 3
+    assert [len(t) for _, t in split_batch(x, y, 3, equal=False)] == [3, 4, 3]
+    for _ in range(2):
+        assert np.isclose(acc.step(x, y), ref.step(x, y), rtol=1e-12)
+    for name, value in ref.params.items():
+        np.testing.assert_allclose(acc.params[name], value, rtol=1e-10, atol=1e-12)
+    # fit: the last partial batch of an epoch is cut too
+    a = acc.fit(x, y, epochs=1, batch_size=4, shuffle=False, progress=False)
+    b = ref.fit(x, y, epochs=1, batch_size=4, shuffle=False, progress=False)
+    np.testing.assert_allclose(a, b, rtol=1e-10)
