@@ -75,6 +75,9 @@ def Gradient(  # noqa: N802 (TVM's pass naming)
         A module pass named "Gradient".
     """
     args = validate_arguments(func_name, require_grads, target_index, seed, checkpoint, strict)
+    if not isinstance(split, bool):
+        raise GradientError(f"Gradient of function {func_name}: split must be True or False, "
+                            f"not {split!r}")
     if split:
         from .split import SplitGradient
 

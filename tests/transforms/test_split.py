@@ -252,6 +252,11 @@ def test_split_several_blocks_and_if(cond):
     np.testing.assert_allclose(gw, fd_gradient(f, [x, w], 1), rtol=1e-6, atol=1e-8)
 
 
+def test_split_must_be_a_bool():
+    with pytest.raises(GradientError, match="split must be True or False"):
+        relaxgrad.Gradient("main", split="yes")
+
+
 def test_split_info_without_split_mode():
     with pytest.raises(GradientError, match="split=True"):
         relaxgrad.split_info(MLP, "main")
