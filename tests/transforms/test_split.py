@@ -22,6 +22,19 @@ def _split_grads(mod, inputs, seeds=()):
     return out, [g.numpy() for g in grads], vm
 
 
+def _check_split(mod, inputs, seeds=(), value=lambda out: float(out.numpy())):
+    """main_fwd then main_bwd give the finite-difference gradient of ``value(main(inputs))``
+    with respect to every input; returns main_fwd's result and the VM."""
+    out, grads, vm = _split_grads(mod, inputs, seeds)
+
+    def f(*args):
+        return value(vm["main"](*[tensor(a) for a in args]))
+
+    for i, g in enumerate(grads):
+        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
+    return out, vm
+
+
 @I.ir_module
 class MLP:
     @R.function
@@ -74,14 +87,8 @@ def _inputs(func, seed=0):
 def test_split_mlp_matches_finite_differences(checkpoint):
     mod = relaxgrad.Gradient("main", split=True, checkpoint=checkpoint)(MLP)
     inputs = _inputs(MLP["main"])
-    out, grads, vm = _split_grads(mod, inputs)
-
-    def f(*args):
-        return float(vm["main"](*[tensor(a) for a in args]).numpy())
-
-    assert np.isclose(float(out.numpy()), f(*inputs))
-    for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
+    out, vm = _check_split(mod, inputs)
+    assert np.isclose(float(out.numpy()), float(vm["main"](*map(tensor, inputs)).numpy()))
 
 
 def test_split_equals_the_adjoint_and_adds_no_adjoint():
@@ -123,14 +130,7 @@ def test_markers_save_only_checkpointed_values_and_recompute_the_rest():
     assert "e" in saved  # reads only the end of the segment: kept
     bwd_names = {b.var.name for b in mod["main_bwd"].body.blocks[0].bindings}
     assert "b_cp" in bwd_names
-    inputs = _inputs(Marked["main"], seed=2)
-    _, grads, vm = _split_grads(mod, inputs)
-
-    def f(*args):
-        return float(vm["main"](*[tensor(a) for a in args]).numpy())
-
-    for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
+    _check_split(mod, _inputs(Marked["main"], seed=2))
 
 
 def test_seed_param_bwd_takes_the_output_gradient():
@@ -139,14 +139,8 @@ def test_seed_param_bwd_takes_the_output_gradient():
     assert bwd.params[-1].name == "z_grad"
     inputs = _inputs(Vector["main"], seed=3)
     seed = np.random.default_rng(4).uniform(-1, 1, 3)
-    out, grads, vm = _split_grads(mod, inputs, [seed])
+    out, vm = _check_split(mod, inputs, [seed], lambda out: float(np.dot(seed, out.numpy())))
     np.testing.assert_allclose(out.numpy(), vm["main"](*[tensor(a) for a in inputs]).numpy())
-
-    def f(*args):  # <seed, main(args)>
-        return float(np.dot(seed, vm["main"](*[tensor(a) for a in args]).numpy()))
-
-    for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
 
 
 @I.ir_module
@@ -168,14 +162,11 @@ def test_seed_param_with_two_targets():
     assert [p.name for p in mod["main_bwd"].params][-2:] == ["a_grad", "b_grad"]
     rng = np.random.default_rng(7)
     x, w, ga, gb = (rng.uniform(-1, 1, 3) for _ in range(4))
-    _, grads, vm = _split_grads(mod, [x, w], [ga, gb])
 
-    def f(x, w):
-        out = vm["main"](tensor(x), tensor(w))
+    def value(out):  # <(ga, gb), (a, b)>
         return float(np.dot(ga, out[0].numpy()) + np.dot(gb, out[2].numpy()))
 
-    for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, fd_gradient(f, [x, w], i), rtol=1e-6, atol=1e-8)
+    _check_split(mod, [x, w], [ga, gb], value)
 
 
 @I.ir_module
@@ -200,14 +191,7 @@ def test_split_info_with_a_symbolic_batch():
 def test_split_through_calls_of_functions():
     mod = relaxgrad.Gradient("main", split=True)(Calls)
     assert {"layer_vjp", "block_vjp"} <= {gv.name_hint for gv in mod.get_global_vars()}
-    inputs = _inputs(Calls["main"], seed=5)
-    _, grads, vm = _split_grads(mod, inputs)
-
-    def f(*args):
-        return float(vm["main"](*[tensor(a) for a in args]).numpy())
-
-    for i, g in enumerate(grads):
-        np.testing.assert_allclose(g, fd_gradient(f, inputs, i), rtol=1e-6, atol=1e-8)
+    _check_split(mod, _inputs(Calls["main"], seed=5))
 
 
 @I.ir_module
