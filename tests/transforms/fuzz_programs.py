@@ -850,8 +850,7 @@ def _strided_slice(g: Gen):
         if g.src.boolean(0.25):
             s = -g.src.integer(1, 2)
             b = g.src.integer(0, d - 1)
-            e = g.src.integer(-d - 2, b - 1) if g.src.boolean(0.3) else -100
-            e = max(e, -100)
+            e = g.src.integer(0, b - 1) if b >= 1 and g.src.boolean(0.3) else -100
         else:
             s = g.src.integer(1, 2)
             b = g.src.integer(-d, d - 1)
@@ -953,7 +952,9 @@ def _tile(g: Gen):
 def _repeat(g: Gen):
     x = g.tensor(lambda s: len(s) >= 1)
     rank = len(g.shape(x))
-    axis = None if rank == 0 or g.src.boolean(0.2) else g.src.integer(-rank, rank - 1)
+    if rank == 0:  # TVM cannot compile repeat of a 0-d tensor
+        return
+    axis = None if g.src.boolean(0.2) else g.src.integer(-rank, rank - 1)
     r = g.src.integer(1, 3)
     g.emit("repeat", lambda v: op.repeat(v, r, axis), [x], g.bound(x))
 
@@ -1396,7 +1397,9 @@ def check_program(prog: Program, *, peer: bool = True, target=FAST_LLVM) -> Outc
     full = tvm.IRModule({tvm.ir.GlobalVar("main_adjoint"): ours["main_adjoint"]})
     full = _with_func(full, "fd", probe_mod["main"])
     theirs = None
-    if peer:
+    # TVM's take rule ignores clip/wrap modes: its adjoint writes out of bounds and corrupts
+    # the heap ("corrupted size vs. prev_size"), so it is no peer there
+    if peer and 'mode="wrap"' not in script and 'mode="clip"' not in script:
         try:
             theirs = relax.transform.Gradient("main", req_arg, ti)(mod)["main_adjoint"]
         except Exception:  # noqa: BLE001 (TVM refuses many ops)
