@@ -162,6 +162,6 @@ class _Rewriter(PyExprMutator):
             return x, False
         ndim = len(static_shape(x))
         axes = bound.attrs.axes
-        order = list(range(ndim)) if axes is None else [int(v) for v in axes]
+        order = list(reversed(range(ndim))) if axes is None else [int(v) for v in axes]
         swapped = list(range(ndim - 2)) + [ndim - 1, ndim - 2]
         return (bound.args[0], True) if order == swapped else (x, False)

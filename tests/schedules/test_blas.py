@@ -61,6 +61,19 @@ def test_matmul_matches_numpy(a_shape, b_shape, trans_a, trans_b):
     np.testing.assert_allclose(got, lhs @ rhs, rtol=1e-4, atol=1e-4)
 
 
+def test_default_permutation_is_a_transpose():
+    """``permute_dims(w)`` without axes (a dense layer's ``x @ w.T``) reverses the axes."""
+    x = relax.Var("x", relax.TensorType((128, 96), "float32"))
+    w = relax.Var("w", relax.TensorType((160, 96), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(op.matmul(x, op.permute_dims(w)))
+        bb.emit_func_output(out)
+    rewritten = blas.MatmulToBLAS()(bb.get()).script()
+    assert blas.PACKED_FUNC in rewritten and "permute_dims" not in rewritten
+
+
 def test_small_and_broadcast_batch_matmuls_stay_in_tvm():
     small = _module((8, 16), (16, 8), False, False)
     assert blas.PACKED_FUNC not in blas.MatmulToBLAS()(small).script()
