@@ -168,6 +168,11 @@ def check_gradients(
     for k, i in enumerate(wrt):
         for path, leaf in _leaves(inputs[i]):
             grad = np.asarray(_get(grads[k], path), dtype="float64")
+            if grad.shape != leaf.shape:  # a broadcastable wrong shape would pass below
+                name = params[i].name + "".join(f"[{j}]" for j in path)
+                lines.append(f"{name}: gradient of shape {grad.shape}, not {leaf.shape}")
+                ok, worst = False, float("inf")
+                continue
             d_eps, d_tol = _default_tolerance(str(leaf.dtype))
             step, limit = eps or d_eps, tol or d_tol
             for _ in range(directions):

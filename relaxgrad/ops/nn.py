@@ -455,7 +455,10 @@ def _batch_norm_train_grads(x, gamma, grads, attrs, channel: int):
             continue
         stat_grads.append(const(1 - momentum, dtype) * stat_grad)
         per_x = _per_axes(stat_grad, [channel], dims, dtype) * per_element
-        per_x = per_x if of_x is None else const(2, wide) * per_x * of_x
+        if of_x is None:  # the same for every element: broadcast to x's own shape
+            per_x = relax.op.broadcast_to(per_x, _ty.shape_of(x))
+        else:
+            per_x = const(2, wide) * per_x * of_x
         dx = per_x if dx is None else dx + per_x
     return [dx, dgamma, dbeta, *stat_grads]
 
