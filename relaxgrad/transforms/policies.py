@@ -15,11 +15,12 @@ policy             saves
 ``sqrt``           segment boundaries about every sqrt(n) nodes (Chen et al., 2016)
 ``save_dots``      matmul / conv / einsum outputs; cheap ops are recomputed (JAX)
 ``save_names``     exactly the named nodes (JAX's ``save_only_these_names``)
-``budget``         the least recompute cost whose saved (or peak) bytes fit a byte budget
+``budget``         the least recompute cost whose saved (peak, live) bytes fit a byte budget
 =================  ==========================================================================
 
 :func:`resolve` maps the ``checkpoint=`` option of :func:`relaxgrad.Gradient` to a policy;
-:func:`recompute_cost`, :func:`saved_bytes` and :func:`peak_bytes` measure a save set;
+:func:`recompute_cost`, :func:`saved_bytes`, :func:`peak_bytes` and
+:func:`backward_peak_bytes` measure a save set;
 :func:`program_from_function` builds a :class:`Program` from a Relax function.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "Node",
     "Policy",
     "Program",
+    "backward_peak_bytes",
     "budget",
     "decide",
     "greedy_knapsack",
@@ -226,6 +228,77 @@ def peak_bytes(program: Program, saved: Iterable[int]) -> int:
             root = find(i)
             segments[root] = segments.get(root, 0) + node.nbytes
     return saved_bytes(program, saved) + max(segments.values(), default=0)
+
+
+def backward_peak_bytes(program: Program, saved: Iterable[int]) -> int:
+    """Simulated peak of the bytes live in the backward pass, as the pass recomputes lazily.
+
+    Walks the nodes that reach an output backwards, as the pass does. Visiting node ``i``
+    reads ``i`` and its inputs (aliases resolved to what they alias); a non-saved one not
+    already recomputed is recomputed then, with its missing non-saved inputs (each once). A
+    forward value (saved or recomputed) stays live until the walk has visited it; the adjoint
+    of an intermediate is live from its first contribution (the visit of its last reader) to
+    its own visit. Saved intermediates are live from the start; while node ``i`` is visited,
+    its rule's temporaries add ``nbytes`` of ``i``. Unlike :func:`peak_bytes` it
+    counts the adjoints and recomputed values of several segments live at once (what TVM's
+    planner must hold); fusion may save some of it, so it is an upper-bound-like estimate.
+
+    Parameters
+    ----------
+    program : Program
+        The function.
+    saved : Iterable[int]
+        Indices of the saved nodes.
+
+    Returns
+    -------
+    int
+        The estimated peak in bytes.
+    """
+    nodes, inter = program.nodes, program.intermediate
+    saved = set(saved)
+    real: list[tuple[int, ...]] = []  # per node: the non-alias nodes it stands for
+    for i, node in enumerate(nodes):
+        real.append(tuple(dict.fromkeys(k for j in node.inputs for k in real[j]))
+                    if node.op in ALIAS_OPS else (i,))
+    reads = [tuple(dict.fromkeys(k for j in n.inputs for k in real[j])) for n in nodes]
+    reaches = [i in program.outputs for i in range(len(nodes))]
+    last_reader = [-1] * len(nodes)  # the reader visited first (the largest index)
+    for i in range(len(nodes) - 1, -1, -1):
+        if reaches[i]:
+            for j in nodes[i].inputs:
+                reaches[j] = True
+            for k in reads[i]:
+                last_reader[k] = max(last_reader[k], i)
+    live = sum(nodes[i].nbytes for i in saved if inter[i])
+    ready = [i in saved or not inter[i] for i in range(len(nodes))]
+    peak = live
+
+    def recompute(u: int) -> int:
+        added, stack = 0, [u]
+        while stack:
+            v = stack[-1]
+            missing = [k for k in reads[v] if not ready[k]]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            if not ready[v]:
+                ready[v] = True
+                added += nodes[v].nbytes
+        return added
+
+    for i in range(len(nodes) - 1, -1, -1):
+        if not reaches[i] or nodes[i].op in ALIAS_OPS or not inter[i] and i not in program.outputs:
+            continue
+        for k in (i, *reads[i]):
+            if not ready[k]:
+                live += recompute(k)
+        live += sum(nodes[k].nbytes for k in reads[i] if inter[k] and last_reader[k] == i)
+        peak = max(peak, live + nodes[i].nbytes)  # the rule's temporaries
+        if inter[i]:
+            live -= 2 * nodes[i].nbytes  # its value and its adjoint die here
+    return peak
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,6 +495,11 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
       fits, the one with the least peak). On 300 random programs of 3-12 nodes (173 with a
       save set that fits) it found the optimum in 161, a costlier set that fits in 7 (by at
       most 16% of the forward cost) and none that fits in 5.
+    - ``"live"``: :func:`backward_peak_bytes`, a simulation of the backward walk (kept values,
+      recomputed values of several segments, adjoints and rule temporaries live at once), by
+      the same search as ``"peak"``. The closest to TVM's planned memory of the adjoint (on
+      ``bench/checkpoint.py``'s transformer its choice for 61 MiB plans 74 MiB, the
+      ``"peak"`` model's 101 MiB); use it to bound the backward pass's memory.
 
     Parameters
     ----------
@@ -438,22 +516,24 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
         raise GradientError(f"Gradient: a checkpoint budget must be a byte count >= 0, "
                             f"got {nbytes!r}")
-    if model not in ("saved", "peak"):
-        raise GradientError(f"Gradient: a checkpoint budget model is 'saved' or 'peak', "
+    if model not in ("saved", "peak", "live"):
+        raise GradientError(f"Gradient: a checkpoint budget model is 'saved', 'peak' or 'live', "
                             f"got {model!r}")
     capacity = int(nbytes)
 
     def policy(program: Program) -> frozenset:
         if model == "saved":
             return _Filler(program, MAX_DP_CELLS)(set(), capacity)
+        measure = peak_bytes if model == "peak" else backward_peak_bytes
         fill = _Filler(program, MAX_DP_CELLS // 32)
         starts = [_segment(program, capacity * k // 16) for k in range(1, 16)]
         starts += [fill(set(), capacity * k // 16) for k in range(1, 17)]
         best = None
         for saved in starts:
-            room = capacity - peak_bytes(program, saved)
+            room = capacity - measure(program, saved)
             saved = fill(saved, max(room, 0))
-            score = (room < 0, peak_bytes(program, saved) if room < 0 else 0,
+            peak = measure(program, saved)
+            score = (peak > capacity, peak if peak > capacity else 0,
                      recompute_cost(program, saved))
             if best is None or score < best[0]:
                 best = (score, saved)
