@@ -34,11 +34,7 @@ def test_split_into_one_section():
     _check(lambda x: op.split(x, 1, 0), [(2, 3)])
 
 
-@pytest.mark.xfail(strict=True, reason="batch_norm's new moving mean (field 1) in training: the "
-                   "rule returns a partial of shape (1, 3) for data of shape (4, 3) (GradientError "
-                   "'the rule of relax.nn.batch_norm returned a partial of type ...'); also "
-                   "tests/ops/test_nn.py::test_numeric[batch_norm_new_mean_only] in the working "
-                   "tree")
+# Fixed by 3db391d (the rule returned a (1, C) partial for data of shape (N, C)).
 def test_batch_norm_moving_mean_field():
     def fn(x, gamma, beta, mean, var):
         var = op.add(op.sigmoid(var), _const(0.5))
