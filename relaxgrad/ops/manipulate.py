@@ -70,7 +70,10 @@ def concat_grad(orig_var, orig_call, output_grad, ctx):
 
 @register_gradient("relax.split")
 def split_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``(y1, ..., yn) = split(x, indices, axis)``; backward: ``[concat(g, axis)]``."""
+    """Forward: ``(y1, ..., yn) = split(x, indices, axis)``; backward: ``[concat(g, axis)]``
+    (one section: TVM types ``y`` as the tensor itself, whose gradient is ``g``)."""
+    if not _ty.is_tuple(orig_var):
+        return [output_grad]
     return [concat(output_grad, int(orig_call.attrs.axis))]
 
 
@@ -231,12 +234,28 @@ def _scatter_partials(op_name, scatter, gather, args, y, g, reduction: str):
     )
 
 
+def _check_scatter_indices(data, indices, axis: int) -> None:
+    """TVM 0.27's scatter_elements kernel writes to the wrong positions when the indices are
+    smaller than the data off the scatter axis (it walks the data with the indices' strides);
+    no gradient can match that forward, so refuse it."""
+    ndim = _ty.ndim_of(data)
+    for a, (d, i) in enumerate(zip(_ty.shape_values(data), _ty.shape_values(indices))):
+        if a != axis % ndim and not Analyzer().can_prove_equal(d, i):
+            raise GradientError(
+                f"Gradient: relax.scatter_elements with indices of shape "
+                f"{list(_ty.shape_values(indices))} smaller than the data "
+                f"{list(_ty.shape_values(data))} on axis {a} (not the scatter axis): TVM's kernel "
+                "computes a wrong forward result there, so it has no gradient rule"
+            )
+
+
 @register_gradient("relax.scatter_elements")
 def scatter_elements_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = scatter_elements(x, indices, u, axis, reduction)``; backward for "add":
     ``[g, no_grad, gather_elements(g, indices, axis)]``; "update", "max" and "min" mask both
     partials to the values that reach y (see :func:`_scatter_partials`)."""
     axis = orig_call.attrs.axis
+    _check_scatter_indices(orig_call.args[0], orig_call.args[1], int(axis))
     dx, du = _scatter_partials(
         "relax.scatter_elements",
         lambda d, i, u, r: scatter_elements(d, i, u, axis, r),

@@ -12,11 +12,9 @@ import collections
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-
-from . import fuzz_programs as fp  # noqa: E402
+from . import fuzz_programs as fp
 
 EXAMPLES = int(os.environ.get("RELAXGRAD_FUZZ_EXAMPLES", "200"))
 SEEN = collections.Counter()
