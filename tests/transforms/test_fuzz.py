@@ -11,7 +11,6 @@ generator avoids them here (``KNOWN_BUGS``/``FOUND_BUGS``) until they are fixed.
 import collections
 import os
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 
 from . import fuzz_programs as fp
