@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,11 +10,16 @@ import tvm
 from tvm import relax
 from tvm.relax.op import (
     astype,
+    equal,
     exp,
     expand_dims,
     flip,
     greater,
+    logical_and,
+    logical_not,
+    logical_or,
     matmul,
+    maximum,
     mean,
     one_hot,
     permute_dims,
@@ -36,6 +42,8 @@ from tvm.relax.op.nn import conv2d, conv2d_transpose, conv3d, conv3d_transpose, 
 from .. import _ty
 from ..errors import GradientError
 from ._utils import const, count, fit_shape, relayout, scalar, static_dims
+from .grad import _pool_layout, _windows
+from .index import _spread
 from .registry import register_gradient
 
 
@@ -258,8 +266,86 @@ conv3d_transpose_grad = _conv("relax.nn.conv3d_transpose", 3, transposed=True)
 _POOL2D_ATTRS = "pool_size strides padding dilation ceil_mode count_include_pad layout".split()
 
 
+def _pool_extent(attrs, ins, out_dims, op_name: str):
+    """Per pooled axis of a 2-D pool (dilation 1): the axis of ``layout``, the pool size, the
+    stride, the explicit padding before and after, and the padded length that ``grad._windows``
+    gives it (padding, and past it as far as ceil_mode reaches)."""
+    axes = _pool_layout(op_name, str(attrs.layout))
+    padding = [int(v) for v in attrs.padding]  # top, left, bottom, right
+    extents = []
+    for k, axis in enumerate(axes):
+        size, step = int(attrs.pool_size[k]), int(attrs.strides[k])
+        before, after = padding[k], padding[k + 2]
+        reach = (out_dims[axis] - 1) * step + size
+        padded = before + max(ins[axis] + after, reach - before)
+        extents.append((axis, size, step, before, after, padded))
+    return extents
+
+
+def _unwindows(parts, attrs, ins, out_dims, op_name: str):
+    """The transpose of ``grad._windows``: each of ``parts`` (one per window offset, in
+    row-major order, shaped like the pooled output) added at the positions of ``x`` that its
+    offset reads (spread by the strides, padded to the offset), the padding cropped."""
+    extents = _pool_extent(attrs, ins, out_dims, op_name)
+    total = None
+    for index, part in enumerate(parts):
+        offsets = divmod(index, extents[1][1])
+        dims, widths = list(out_dims), [0] * (2 * len(out_dims))
+        for offset, (axis, _, step, _, _, padded) in zip(offsets, extents):
+            if step > 1 and out_dims[axis] > 1:
+                part = _spread(part, axis, dims, out_dims[axis], step)
+                dims[axis] = (out_dims[axis] - 1) * step + 1
+            widths[2 * axis], widths[2 * axis + 1] = offset, padded - offset - dims[axis]
+        part = pad(part, widths) if any(widths) else part
+        total = part if total is None else total + part
+    axes = [e[0] for e in extents]
+    begin = [e[3] for e in extents]
+    return strided_slice(total, axes, begin, [b + ins[a] for a, b in zip(axes, begin)])
+
+
+def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
+    """The VJP of max_pool2d for overlapping windows (TVM 0.27's max_pool2d_backward returns
+    garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking), found by
+    walking the window offsets in order, and scatter-added back to the positions of ``x``."""
+    dtype = _ty.dtype_of(x)
+    values = _windows(x, attrs, ins, out_dims, float(np.finfo(dtype).min), op_name)
+    window_max = functools.reduce(maximum, values)
+    parts, found = [], None
+    for value in values:
+        hit = equal(value, window_max)
+        if found is None:
+            found = hit
+        else:
+            hit = logical_and(hit, logical_not(found))
+            found = logical_or(found, hit)
+        parts.append(grad * astype(hit, dtype))
+    return _unwindows(parts, attrs, ins, out_dims, op_name)
+
+
+def _avg_pool2d_ceil_include_pad_grad(grad, x, attrs, ins, out_dims, op_name: str):
+    """The VJP of avg_pool2d with ceil_mode and count_include_pad (TVM 0.27's
+    avg_pool2d_backward disagrees with the forward when the last window hangs past the
+    padding): the forward divides each window sum by the number of its positions inside the
+    padded input (explicit padding counted, ceil_mode's overhang not), so ``g`` over that
+    divisor goes to every position of its window."""
+    extents = _pool_extent(attrs, ins, out_dims, op_name)
+    dtype = _ty.dtype_of(x)
+    divisor = np.ones([1] * len(out_dims))
+    for axis, size, step, before, after, _ in extents:
+        start = np.arange(out_dims[axis]) * step - before
+        counts = np.minimum(start + size, ins[axis] + after) - start
+        shape = [1] * len(out_dims)
+        shape[axis] = out_dims[axis]
+        divisor = divisor * counts.reshape(shape)
+    grad = grad / relax.const(divisor.astype(dtype), dtype)
+    parts = [grad] * (extents[0][1] * extents[1][1])
+    return _unwindows(parts, attrs, ins, out_dims, op_name)
+
+
 def _pool2d(op_name: str, backward):
-    """Register the rule of a 2-D pooling op whose input gradient is the TVM op ``backward``."""
+    """Register the rule of a 2-D pooling op whose input gradient is the TVM op ``backward``
+    (computed here where TVM 0.27's kernel is wrong: max_pool2d with overlapping windows,
+    avg_pool2d with ceil_mode and count_include_pad)."""
 
     def rule(orig_var, orig_call, output_grad, ctx):
         attrs = orig_call.attrs
@@ -269,8 +355,16 @@ def _pool2d(op_name: str, backward):
                 "(TVM's pooling gradient kernels support dilation 1 only)"
             )
         grad = relayout(output_grad, attrs.out_layout, attrs.layout, op_name)
+        x = orig_call.args[0]
+        overlapping = any(int(s) < int(k) for s, k in zip(attrs.strides, attrs.pool_size))
+        if op_name == "relax.nn.max_pool2d" and overlapping:
+            ins, out_dims = static_dims(x, op_name), static_dims(ctx.normalize(grad), op_name)
+            return [_max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name)]
+        if op_name == "relax.nn.avg_pool2d" and attrs.ceil_mode and attrs.count_include_pad:
+            ins, out_dims = static_dims(x, op_name), static_dims(ctx.normalize(grad), op_name)
+            return [_avg_pool2d_ceil_include_pad_grad(grad, x, attrs, ins, out_dims, op_name)]
         kwargs = {key: attrs[key] for key in _POOL2D_ATTRS}
-        return [backward(grad, orig_call.args[0], **kwargs, out_layout=attrs.layout)]
+        return [backward(grad, x, **kwargs, out_layout=attrs.layout)]
 
     rule.__doc__ = (
         f"Forward: ``y = {op_name}(x, pool_size, strides, padding, ceil_mode, layout)``; "

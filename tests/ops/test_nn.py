@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+import tvm
 from tvm import relax, tirx
 from tvm.relax import op
 
+import relaxgrad
 from relaxgrad import GradientError
 
 from ._spec import Case, ids, run_case
@@ -298,6 +300,21 @@ CASES += [
     Case("max_pool2d_nhwc", **_pool(MAX, (1, 4, 4, 3), pool_size=2, strides=2, layout="NHWC")),
     Case("max_pool2d_float32", **_pool(MAX, (1, 2, 4, 4), pool_size=2, strides=2),
          dtype="float32"),
+    # Overlapping windows: computed by relaxgrad (TVM 0.27's max_pool2d_backward returns
+    # garbage there, e.g. for a (1, 1, 4, 2) input, pool 2, stride 1).
+    Case("max_pool2d_overlapping_4x2", **_pool(MAX, (1, 1, 4, 2), pool_size=2, strides=1)),
+    Case("max_pool2d_overlapping_3x2", **_pool(MAX, (1, 1, 3, 2), pool_size=2, strides=1)),
+    Case("max_pool2d_overlapping_4x4", **_pool(MAX, (2, 2, 4, 4), pool_size=2, strides=1)),
+    Case("max_pool2d_overlapping_rect", **_pool(MAX, (1, 2, 5, 4), pool_size=(3, 2),
+                                                strides=(1, 2))),
+    Case("max_pool2d_overlapping_padding_ceil", **_pool(MAX, (1, 2, 6, 6), pool_size=3,
+                                                        strides=2, padding=1, ceil_mode=True)),
+    Case("max_pool2d_overlapping_asym_padding", **_pool(MAX, (1, 1, 5, 6), pool_size=3,
+                                                        strides=2, padding=(1, 0, 0, 1))),
+    Case("max_pool2d_overlapping_nhwc", **_pool(MAX, (1, 5, 5, 2), pool_size=3, strides=2,
+                                                layout="NHWC")),
+    Case("max_pool2d_overlapping_float32", **_pool(MAX, (1, 2, 5, 5), pool_size=3, strides=1),
+         dtype="float32"),
     Case("avg_pool2d", **_pool(AVG, (2, 3, 4, 4), pool_size=2, strides=2)),
     Case("avg_pool2d_overlapping", **_pool(AVG, (1, 2, 5, 5), pool_size=3, strides=1)),
     Case("avg_pool2d_padding", **_pool(AVG, (1, 2, 5, 5), pool_size=3, strides=2, padding=1)),
@@ -308,12 +325,50 @@ CASES += [
     Case("avg_pool2d_nhwc", **_pool(AVG, (1, 4, 4, 3), pool_size=2, strides=2, layout="NHWC")),
     Case("avg_pool2d_float32", **_pool(AVG, (1, 2, 4, 4), pool_size=2, strides=2),
          dtype="float32"),
+    # ceil_mode with count_include_pad: computed by relaxgrad (TVM 0.27's avg_pool2d_backward
+    # disagrees with the forward when the last window hangs past the padding; the forward
+    # divides by the window's positions inside the padded input).
+    Case("avg_pool2d_ceil_include_pad", **_pool(AVG, (1, 1, 3, 3), pool_size=2, strides=2,
+                                                ceil_mode=True, count_include_pad=True)),
+    Case("avg_pool2d_ceil_include_pad_overlapping", **_pool(AVG, (1, 2, 4, 3), pool_size=3,
+                                                            strides=2, ceil_mode=True,
+                                                            count_include_pad=True)),
+    Case("avg_pool2d_ceil_include_pad_padding", **_pool(AVG, (1, 2, 6, 6), pool_size=3,
+                                                        strides=2, padding=1, ceil_mode=True,
+                                                        count_include_pad=True)),
+    Case("avg_pool2d_ceil_include_pad_rect", **_pool(AVG, (1, 1, 5, 6), pool_size=(3, 2),
+                                                     strides=(2, 3), padding=(1, 0, 0, 1),
+                                                     ceil_mode=True, count_include_pad=True)),
+    Case("avg_pool2d_ceil_include_pad_nhwc", **_pool(AVG, (1, 5, 5, 2), pool_size=2, strides=2,
+                                                     ceil_mode=True, count_include_pad=True,
+                                                     layout="NHWC")),
+    Case("avg_pool2d_ceil_include_pad_float32", **_pool(AVG, (1, 2, 5, 5), pool_size=2,
+                                                        strides=2, ceil_mode=True,
+                                                        count_include_pad=True),
+         dtype="float32"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
 def test_numeric(case):
     run_case(case)
+
+
+def test_max_pool2d_overlapping_ties_go_to_the_first_argmax():
+    # Equal values: each window's gradient goes to its first position (row-major), as TVM's
+    # kernels break ties. Overlapping windows (pool 2, stride 1) take relaxgrad's own VJP.
+    x = relax.Var("x", relax.TensorType((1, 1, 3, 4), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(op.sum(MAX(x, pool_size=2, strides=1)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    _, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones((1, 1, 3, 4))))
+    expected = np.zeros((3, 4))
+    expected[:2, :3] = 1  # the top-left corners of the 2 x 3 windows
+    np.testing.assert_array_equal(grad.numpy()[0, 0], expected)
 
 
 @pytest.mark.parametrize("pool", [MAX, AVG], ids=["max_pool2d", "avg_pool2d"])

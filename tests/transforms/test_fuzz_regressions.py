@@ -50,10 +50,6 @@ def test_scatter_elements_indices_smaller_off_axis(reduction):
                [(2, 2, 2), (2, 1, 2)])
 
 
-@pytest.mark.xfail(strict=True, reason="max_pool2d with overlapping windows (stride < pool "
-                   "size): TVM 0.27's relax.grad.max_pool2d_backward kernel, which the rule "
-                   "emits, returns garbage (uninitialized memory: sums of 1e-310 or NaN) for "
-                   "e.g. a (1, 1, 4, 2) input, pool 2, stride 1")
 def test_max_pool2d_overlapping_windows():
     # distinct values (no ties), so the loss is differentiable
     x = np.arange(8.0).reshape(1, 1, 4, 2)[:, :, ::-1] * 0.1  # rows 3, 2, 1, 0
@@ -62,10 +58,6 @@ def test_max_pool2d_overlapping_windows():
     _check(lambda v: op.nn.max_pool2d(v, 2, 1), [y.shape], inputs=[y])
 
 
-@pytest.mark.xfail(strict=True, reason="avg_pool2d with ceil_mode=True and "
-                   "count_include_pad=True whose last window hangs over the edge (no padding): "
-                   "the gradient disagrees with the compiled forward (error 0.3 for a (1, 1, 3, 3) "
-                   "input, pool 2, stride 2)")
 def test_avg_pool2d_ceil_mode_count_include_pad():
     _check(lambda v: op.nn.avg_pool2d(v, 2, 2, 0, ceil_mode=True, count_include_pad=True),
            [(1, 1, 3, 3)])
