@@ -48,8 +48,6 @@ KNOWN_BUGS = frozenset({
 FOUND_BUGS = frozenset({
     "scatter_small_indices",  # scatter_elements, indices smaller than data off the axis:
                               # TVM's forward is wrong there, the rule refuses (GradientError)
-    "max_pool_overlap",       # max_pool2d with stride < pool size (TVM's backward kernel)
-    "avg_pool_ceil_cip",      # avg_pool2d, ceil_mode and count_include_pad, window overhang
 })
 
 
