@@ -190,6 +190,8 @@ def cumprod_grad(orig_var, orig_call, output_grad, ctx):
     attrs = orig_call.attrs
     g = astype(output_grad, _ty.dtype_of(x)) if attrs.dtype is not None else output_grad
     dims, ndim, dtype = _ty.shape_values(x), _ty.ndim_of(x), _ty.dtype_of(x)
+    if any(isinstance(d, tirx.IntImm) and int(d) == 0 for d in dims):  # empty: nothing flows
+        return [relax.op.zeros(_ty.shape_of(x), dtype)]
     if attrs.axis is None:  # over the flattened x
         pairs = _cumprod_pairs(flatten(x), [count(x)], dtype, bool(attrs.exclusive))
         return [reshape(sum(pairs * expand_dims(flatten(g), -2), -1), dims)]

@@ -135,11 +135,20 @@ class BackwardWalk:
             self.find_missing(var, call)
             return
         name = str(call.op.name)
-        partials = rule(cp_var, cp_call, adjoint, self.bb)
-        partials = _check_partials(partials, call.args, f"the rule of {name}", var, call)
-        for arg, partial in zip(call.args, partials):
-            if not is_no_grad(partial):
-                self._update_checked(arg, partial, f"the rule of {name}", var)
+        try:
+            partials = rule(cp_var, cp_call, adjoint, self.bb)
+            partials = _check_partials(partials, call.args, f"the rule of {name}", var, call)
+            for arg, partial in zip(call.args, partials):
+                if not is_no_grad(partial):
+                    self._update_checked(arg, partial, f"the rule of {name}", var)
+        except GradientError:
+            raise
+        except Exception as err:  # a rule (ours or a user's) that crashed: name it, never leak
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            raise GradientError(
+                f"Gradient: the rule of {name} failed at {var.name} in function "
+                f"{self.func_name} ({type(err).__name__}: {lines[-1]})"
+            ) from err
 
     def _update_checked(self, arg: Expr, partial: Expr, who: str, var: Var) -> None:
         """Add a rule's partial to ``arg``'s adjoint, after checking its type against ``arg``."""

@@ -12,7 +12,7 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.ops._utils import fit_shape
-from relaxgrad.testing import check_gradients, loss_module
+from relaxgrad.testing import assert_gradients_close, check_gradients, loss_module
 
 from ._spec import FAST_LLVM, Case, adjoints, ids, run_case
 
@@ -173,3 +173,20 @@ def test_take_negative_constant_index_fast_mode(index):
     run_case(wrap)
     inputs = wrap.make_inputs()
     np.testing.assert_allclose(adjoints(fast, inputs)[0], adjoints(wrap, inputs)[0])
+
+
+def test_cumprod_of_an_empty_slice():
+    """Found by the long fuzz run: cumprod (axis None) of a (0, 4, 1) slice crashed the rule with
+    a TVM InternalError; nothing flows through an empty tensor."""
+
+    def fn(x):
+        empty = relax.op.strided_slice(x, [0], [0], [-2], [2])
+        return relax.op.add(relax.op.sum(relax.op.cumprod(empty)), relax.op.sum(x))
+
+    x = relax.Var("x", relax.TensorType((4, 4, 1), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            gv = bb.emit_output(fn(x))
+        bb.emit_func_output(gv)
+    assert_gradients_close(bb.get())

@@ -178,8 +178,12 @@ def _with_rule(monkeypatch, op, rule):
             lambda var, call, grad, ctx: [relax.op.concat([grad, grad], axis=0)],
             ["relax.tanh", "shape", "lv", "main"],
         ),
+        (
+            lambda var, call, grad, ctx: [grad.no_such_attribute],
+            ["the rule of relax.tanh failed at lv in function main", "AttributeError"],
+        ),
     ],
-    ids=["count", "not_a_list", "rank", "dtype", "shape"],
+    ids=["count", "not_a_list", "rank", "dtype", "shape", "crashes"],
 )
 def test_bad_rule_output(monkeypatch, rule, words):
     _with_rule(monkeypatch, "relax.tanh", rule)
