@@ -8,6 +8,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relaxgrad
+import relaxgrad.testing
 from relaxgrad import GradientError
 from relaxgrad.cli import main as cli_main
 
@@ -265,3 +266,28 @@ def test_cli_split_prints_residuals(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "main_fwd" in out and "main_bwd" in out
     assert "y: (3,) float32, 12 bytes" in out
+
+
+def _model_module(fn, shapes, dtype):
+    types = [relax.TensorType(s, dtype) for s in shapes]
+    return relaxgrad.testing.loss_module(fn, types)
+
+
+@pytest.mark.parametrize("checkpoint", ["markers", "none", "sqrt"])
+@pytest.mark.parametrize("model", ["cnn", "transformer_block"])
+def test_split_equals_the_adjoint_on_models(model, checkpoint):
+    from tests.ops import test_models as models
+
+    fn, shapes, dtype = {
+        "cnn": (models.cnn, models.CNN_SHAPES, "float64"),
+        "transformer_block": (models.transformer_block, models.BLOCK_SHAPES, "float32"),
+    }[model]
+    mod = _model_module(fn, shapes, dtype)
+    inputs = relaxgrad.testing.random_inputs(mod["main"], seed=2)
+    _, grads, _ = _split_grads(relaxgrad.Gradient("main", split=True, checkpoint=checkpoint)(mod),
+                               inputs)
+    adj = compiled(relaxgrad.Gradient("main", checkpoint=checkpoint)(mod))["main_adjoint"]
+    _, ref = adj(*[tensor(a) for a in inputs])
+    assert len(grads) == len(ref) == len(shapes)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-6)
