@@ -32,6 +32,8 @@ import tvm
 from tvm import relax
 from tvm.relax import op
 
+from relaxgrad import testing
+
 F64 = "float64"
 FAST_LLVM = {"kind": "llvm", "opt-level": 0}
 
@@ -1319,37 +1321,12 @@ class Outcome:
 
 
 def _to_tvm(value):
-    if isinstance(value, tuple):
-        return tuple(_to_tvm(v) for v in value)
-    return tvm.runtime.tensor(np.asarray(value), tvm.cpu())
+    return testing._to_tvm(value, tvm.cpu())
 
 
-def _to_numpy(value):
-    if hasattr(value, "numpy"):
-        return value.numpy()
-    return tuple(_to_numpy(v) for v in value)
-
-
-def _leaves(value, path=()):
-    if isinstance(value, tuple):
-        for i, v in enumerate(value):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, value
-
-
-def _get(value, path):
-    for i in path:
-        value = value[i]
-    return value
-
-
-def _replace(value, path, new):
-    if not path:
-        return new
-    items = list(value)
-    items[path[0]] = _replace(items[path[0]], path[1:], new)
-    return tuple(items)
+_to_numpy, _leaves, _get, _replace = (
+    testing._to_numpy, testing._leaves, testing._get, testing._replace
+)
 
 
 # GradientErrors that are internal consistency checks of the pass (bugs), not refusals
