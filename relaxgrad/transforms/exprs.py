@@ -7,13 +7,14 @@ Every node kind the gradient pass can meet is listed here; any other kind raises
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.ir import Op
 
 from .. import _ty
 from ..errors import GradientError
 
-__all__ = ["free_vars", "is_op", "op_name", "rename_seq", "substitute"]
+__all__ = ["called_functions", "free_vars", "is_op", "op_name", "rename_seq", "substitute"]
 
 # Nodes that hold no relax Var.
 _LEAVES = (
@@ -44,6 +45,19 @@ def op_name(expr) -> str | None:
     if isinstance(expr, relax.Call) and isinstance(expr.op, Op):
         return str(expr.op.name)
     return None
+
+
+def called_functions(func) -> list:
+    """The GlobalVars ``func`` calls (each once, in order of first call; inside Ifs too)."""
+    found, seen = [], set()
+
+    def visit(call: relax.Call) -> None:
+        if isinstance(call.op, relax.GlobalVar) and call.op.name_hint not in seen:
+            seen.add(call.op.name_hint)
+            found.append(call.op)
+
+    tvm_ffi.structural_walk(func, [(relax.Call, visit)])
+    return found
 
 
 def free_vars(expr) -> list[relax.Var]:

@@ -19,7 +19,7 @@ from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
 from .custom import CUSTOM_GRADIENT_ATTR, custom_vjp
-from .exprs import free_vars, is_op, substitute
+from .exprs import called_functions, is_op, substitute
 from .lower import lower_call_tir_with_grad
 from .simplify import remove_unused, simplify_gradient
 from .validate import Request, validate, validate_arguments
@@ -358,7 +358,7 @@ class Callees:
     def prepare(self, func: Function, name: str, stack: tuple = ()) -> None:
         """Build the VJPs of every function ``func`` calls, callees first."""
         stack = (*stack, name)
-        for gv in _called_functions(func):
+        for gv in called_functions(func):
             callee = gv.name_hint
             if callee in stack:
                 cycle = " -> ".join([*stack, callee])
@@ -418,20 +418,6 @@ class Callees:
         return self.done[callee]
 
 
-def _called_functions(func: Function) -> list:
-    found, seen = [], set()
-
-    def visit(call: relax.Call) -> None:
-        if isinstance(call.op, relax.GlobalVar) and call.op.name_hint not in seen:
-            seen.add(call.op.name_hint)
-            found.append(call.op)
-
-    import tvm_ffi
-
-    tvm_ffi.structural_walk(func, [(relax.Call, visit)])
-    return found
-
-
 def _fresh_name(mod: IRModule, name: str) -> str:
     names = {gv.name_hint for gv in mod.get_global_vars()}
     candidate, i = name, 1
@@ -439,5 +425,3 @@ def _fresh_name(mod: IRModule, name: str) -> str:
         candidate, i = f"{name}{i}", i + 1
     return candidate
 
-
-_ = free_vars  # re-exported for callers of the old module layout

@@ -11,7 +11,7 @@ from tvm.relax import Function, Var
 
 from .. import _ty
 from ..errors import GradientError
-from .exprs import free_vars
+from .exprs import called_functions, free_vars
 
 __all__ = ["Request", "validate", "validate_arguments"]
 
@@ -130,16 +130,7 @@ def _check_adjoint_name(mod: IRModule, func_name: str) -> None:
     for gv, func in mod.functions_items():
         if gv.name_hint == adjoint or not isinstance(func, Function):
             continue
-        calls = []
-
-        def visit(call, calls=calls):
-            if isinstance(call.op, relax.GlobalVar) and call.op.name_hint == adjoint:
-                calls.append(call)
-
-        import tvm_ffi
-
-        tvm_ffi.structural_walk(func, [(relax.Call, visit)])
-        if calls:
+        if any(gv.name_hint == adjoint for gv in called_functions(func)):
             callers.append(gv.name_hint)
     if callers:
         raise GradientError(
