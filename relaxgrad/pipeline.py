@@ -33,7 +33,7 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 from .errors import GradientError
-from .schedules import ConvToMatmul, MatmulToBLAS, ScheduleCPU, ScheduleGPU
+from .schedules import ConvToMatmul, FastExp, MatmulToBLAS, ScheduleCPU, ScheduleGPU
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -140,14 +140,15 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
-    return _pipeline(schedule, [], cuda_graph, "relaxgrad.gpu_pipeline")
+    return _pipeline(schedule, [], [], cuda_graph, "relaxgrad.gpu_pipeline")
 
 
 def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> tvm.transform.Pass:
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
-    ``ScheduleCPU()``) as its scheduling step after fusion.
+    ``ScheduleCPU()``) as its scheduling step after fusion, and float32 ``exp`` as a
+    vectorizable polynomial (:class:`FastExp`).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -155,12 +156,14 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU()
-    return _pipeline(schedule, [ConvToMatmul(), MatmulToBLAS()], [], "relaxgrad.cpu_pipeline")
+    before = [ConvToMatmul(), MatmulToBLAS()]
+    return _pipeline(schedule, before, [FastExp()], [], "relaxgrad.cpu_pipeline")
 
 
 def _pipeline(
     schedule: tvm.transform.Pass,
     before_legalizing: list[tvm.transform.Pass],
+    after_scheduling: list[tvm.transform.Pass],
     after_planning: list[tvm.transform.Pass],
     name: str,
 ) -> tvm.transform.Pass:
@@ -175,6 +178,7 @@ def _pipeline(
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         schedule,
+        *after_scheduling,
         relax.transform.RewriteDataflowReshape(),
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),

@@ -4,17 +4,20 @@
 (:class:`TiledMatmul`, dlight's CPU rules, :class:`ParallelLoops`) share one mechanism: a rule
 that raises or whose schedule fails verification falls through to the next, and the choice is
 recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
-matmuls (:class:`ConvToMatmul`) and large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`).
+matmuls (:class:`ConvToMatmul`) and large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`);
+after scheduling, float32 ``exp`` becomes a polynomial LLVM vectorizes (:class:`FastExp`).
 """
 
 from .blas import MatmulToBLAS
 from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
+from .fast_math import FastExp
 from .gpu import FullReduction
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
     "ConvToMatmul",
+    "FastExp",
     "FullReduction",
     "MatmulToBLAS",
     "ParallelLoops",

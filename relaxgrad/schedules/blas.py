@@ -2,11 +2,18 @@
 
 :class:`MatmulToBLAS` rewrites ``R.matmul(a, b)`` (float32, static shapes, at least
 ``min_macs`` multiply-adds; ``a`` and ``b`` either of the same batch shape or one of them 2-D)
-into ``R.call_dps_packed("relaxgrad.blas.matmul", ...)`` before legalization. A ``permute_dims``
-of the last two axes feeding the matmul becomes a transpose flag of ``sgemm``. The packed
-function, registered when this module is imported, calls ``cblas_sgemm`` of numpy's
-``scipy_openblas`` through ctypes with ``TVM_NUM_THREADS`` threads (all cores by default). Where
-no such library is found, the pass changes nothing and TVM's own (scheduled) matmuls run.
+into ``R.call_tir`` of a small PrimFunc that calls ``cblas_sgemm`` of numpy's
+``scipy_openblas`` (``T.call_extern``) before legalization. A ``permute_dims`` of the last two
+axes feeding the matmul becomes a transpose flag of ``sgemm``, and the gradient of a shared
+weight, ``collapse_sum_to(matmul(permute(x), g))`` over a batch, one sgemm over the stacked
+rows of ``x`` and ``g``.
+
+The batch, or else the rows of the result, are split over a ``T.parallel`` loop: the gemms run
+on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded. (Python
+threads, or OpenBLAS's, competed with TVM's workers, which spin for a while after each
+kernel: a 4x1024 MLP's step took twice as long.) The library is loaded with ``RTLD_GLOBAL``
+so that the compiled code finds the symbol; where no such library is found, the pass changes
+nothing and TVM's own (scheduled) matmuls run.
 
 An executable built with these calls runs only in a process that imported relaxgrad.
 """
@@ -17,100 +24,102 @@ import ctypes
 import glob
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.script import tirx as T
 
 from .. import _ty
 from ._common import rewrite_functions, static_shape
 
-PACKED_FUNC = "relaxgrad.blas.matmul"
-
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
-def _load_sgemm():
-    """``cblas_sgemm`` of numpy's bundled OpenBLAS (64-bit ints), single-threaded, or None."""
+def _load_sgemm() -> str | None:
+    """The symbol of ``cblas_sgemm`` (64-bit ints) in numpy's bundled OpenBLAS, loaded
+    globally and set single-threaded, or None."""
     here = os.path.dirname(np.__file__)
     for path in sorted(glob.glob(os.path.join(here, os.pardir, "numpy.libs", "*openblas*"))):
         try:
-            lib = ctypes.CDLL(path)
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
         for prefix in ("scipy_", ""):
-            sgemm = getattr(lib, f"{prefix}cblas_sgemm64_", None)
-            if sgemm is None:
+            if getattr(lib, f"{prefix}cblas_sgemm64_", None) is None:
                 continue
             set_threads = getattr(lib, f"{prefix}openblas_set_num_threads64_", None)
-            if set_threads is not None:  # we split the work over our own threads
+            if set_threads is not None:  # TVM's threads split the work
                 set_threads(ctypes.c_int(1))
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            scalar = ctypes.c_float
-            sgemm.argtypes = [ctypes.c_int] * 3 + [i64] * 3 + [scalar, ptr, i64, ptr, i64]
-            sgemm.argtypes += [scalar, ptr, i64]
-            sgemm.restype = None
-            return sgemm
+            return f"{prefix}cblas_sgemm64_"
     return None
 
 
-_SGEMM = _load_sgemm()
+SGEMM = _load_sgemm()
 THREADS = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
-"""Threads per matmul (``TVM_NUM_THREADS``, else all cores)."""
-_POOL = ThreadPoolExecutor(THREADS) if THREADS > 1 else None
+"""Tasks a large gemm is cut into (``TVM_NUM_THREADS``, else all cores)."""
 _SPLIT_MACS = 1 << 22  # from about 0.1 ms of work, splitting pays for the thread handoff
 
 
 def available() -> bool:
     """Whether an OpenBLAS ``sgemm`` was found (numpy's wheels ship one)."""
-    return _SGEMM is not None
+    return SGEMM is not None
 
 
-def _matmul(a, b, trans_a, trans_b, out) -> None:
-    """``out[...] = op(a)[...] @ op(b)[...]`` with op a transpose of the last two axes where
-    flagged; ``a`` and ``b`` have ``out``'s batch shape or none (broadcast).
-
-    OpenBLAS runs single-threaded; the batch, or else the rows of ``out``, are split over
-    :data:`THREADS` Python threads (ctypes releases the GIL). OpenBLAS's own threads spin
-    while they wait for work, which on a loaded machine made a matmul 5-20x slower."""
-    m, n = (int(d) for d in out.shape[-2:])
-    k = int(a.shape[-2] if trans_a else a.shape[-1])
-    batch = math.prod(int(d) for d in out.shape[:-2])
-    a_batched, b_batched = len(a.shape) > 2, len(b.shape) > 2
+def gemm_func(
+    a_shape, b_shape, out_shape, trans_a: bool, trans_b: bool, threads: int | None = None
+) -> tirx.PrimFunc:
+    """A PrimFunc ``(a, b, out)``: ``out[...] = op(a)[...] @ op(b)[...]``, op a transpose of the
+    last two axes where flagged; ``a`` and ``b`` have ``out``'s batch shape or none
+    (broadcast). ``threads`` tasks at most (:data:`THREADS` by default)."""
+    threads = THREADS if threads is None else threads
+    m, n = out_shape[-2:]
+    k = a_shape[-2] if trans_a else a_shape[-1]
+    batch = math.prod(out_shape[:-2])
+    a_batched, b_batched = len(a_shape) > 2, len(b_shape) > 2
     if a_batched and not b_batched and not trans_a:  # one gemm over the stacked rows of a
         m, batch, a_batched = m * batch, 1, False
     lda, ldb = (m if trans_a else k), (k if trans_b else n)
-    pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
-    flags = (_ROW_MAJOR, _TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS)
+    flag_a, flag_b = (_TRANS if trans_a else _NO_TRANS), (_TRANS if trans_b else _NO_TRANS)
+    a_stride, b_stride = m * k * a_batched, k * n * b_batched
+    a_row = 1 if trans_a else k  # elements between rows of op(a)
+    chunks = 1
+    if batch * m * n * k >= _SPLIT_MACS and batch < threads:
+        chunks = threads
+    step = -(-m // chunks)
+    chunks = -(-m // step)
+    tasks = batch * chunks
+    a_size, b_size, out_size = (math.prod(s) for s in (a_shape, b_shape, out_shape))
+    symbol, parallel = SGEMM, tasks > 1 and batch * m * n * k >= _SPLIT_MACS
 
-    def gemm(i: int, row: int, rows: int) -> None:
-        a_at = pa + 4 * (i * m * k * a_batched + (row if trans_a else row * k))
-        b_at, c_at = pb + 4 * i * k * n * b_batched, pc + 4 * (i * m * n + row * n)
-        _SGEMM(*flags, rows, n, k, 1.0, a_at, lda, b_at, ldb, 0.0, c_at, n)
+    @T.prim_func(private=True, check_well_formed=False)
+    def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        a = T.match_buffer(a_handle, a_shape, "float32")
+        b = T.match_buffer(b_handle, b_shape, "float32")
+        out = T.match_buffer(out_handle, out_shape, "float32")
+        a_flat = T.decl_buffer((a_size,), "float32", data=a.data)
+        b_flat = T.decl_buffer((b_size,), "float32", data=b.data)
+        out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
+        for task in T.parallel(tasks) if parallel else T.serial(tasks):
+            i = task // chunks
+            row = task % chunks * step
+            T.evaluate(
+                T.call_extern(
+                    "void", symbol, _ROW_MAJOR, flag_a, flag_b,
+                    T.Cast("int64", T.min(step, m - row)), T.int64(n), T.int64(k),
+                    T.float32(1),
+                    T.address_of(a_flat[i * a_stride + row * a_row]),
+                    T.int64(lda),
+                    T.address_of(b_flat[i * b_stride]), T.int64(ldb),
+                    T.float32(0),
+                    T.address_of(out_flat[i * m * n + row * n]), T.int64(n),
+                )  # fmt: skip
+            )
 
-    if _POOL is None or batch * m * n * k < _SPLIT_MACS:
-        for i in range(batch):
-            gemm(i, 0, m)
-        return
-    if batch >= THREADS:
-        tasks = [(i, 0, m) for i in range(batch)]
-    else:
-        step = -(-m // THREADS)
-        tasks = [(i, r, min(step, m - r)) for i in range(batch) for r in range(0, m, step)]
-    chunks = [tasks[t::THREADS] for t in range(THREADS)]
-    futures = [_POOL.submit(lambda c=c: [gemm(*task) for task in c]) for c in chunks[1:]]
-    for task in chunks[0]:
-        gemm(*task)
-    for future in futures:
-        future.result()
-
-
-if available():
-    tvm_ffi.register_global_func(PACKED_FUNC, _matmul, override=True)
+    return gemm
 
 
 @tvm.transform.module_pass(opt_level=0, name="MatmulToBLAS")
@@ -123,6 +132,7 @@ class MatmulToBLAS:
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         if not available():
             return mod
+        mod = rewrite_functions(_StackedRows(mod), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
         return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
 
@@ -133,35 +143,100 @@ class _Rewriter(PyExprMutator):
         super().__init__(mod)
         self.min_macs = min_macs
         self.matmul, self.permute = Op.get("relax.matmul"), Op.get("relax.permute_dims")
+        self.funcs: dict[tuple, relax.GlobalVar] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not (isinstance(call.op, Op) and call.op.same_as(self.matmul)):
+        if not _is(call, self.matmul):
             return call
         shapes = [static_shape(t) for t in (*call.args, call)]
-        if any(s is None or len(s) < 2 for s in shapes) or any(
-            _ty.dtype_of(t) != "float32" for t in (*call.args, call)
-        ):
+        if any(s is None or len(s) < 2 for s in shapes) or not _float32(*call.args, call):
             return call
         a_shape, b_shape, out_shape = shapes
         batch = out_shape[:-2]
         if any(len(s) > 2 and s[:-2] != batch for s in (a_shape, b_shape)):
             return call  # a broadcast batch: left to TVM
-        k = a_shape[-1]
-        if math.prod(out_shape) * k < self.min_macs:
+        if math.prod(out_shape) * a_shape[-1] < self.min_macs:
             return call
-        (a, trans_a), (b, trans_b) = (self._untransposed(x) for x in call.args)
-        args = [a, b, relax.prim_value(int(trans_a)), relax.prim_value(int(trans_b))]
+        return self._gemm(*call.args, out_shape)
+
+    def _gemm(self, a: relax.Expr, b: relax.Expr, out_shape: list[int]) -> relax.Expr:
+        (a, trans_a), (b, trans_b) = self._untransposed(a), self._untransposed(b)
+        return self._call(a, b, out_shape, trans_a, trans_b)
+
+    def _call(self, a, b, out_shape, trans_a: bool, trans_b: bool) -> relax.Expr:
+        a_shape, b_shape = static_shape(a), static_shape(b)
+        key = (tuple(a_shape), tuple(b_shape), tuple(out_shape), trans_a, trans_b)
+        if key not in self.funcs:
+            func = gemm_func(a_shape, b_shape, out_shape, trans_a, trans_b)
+            self.funcs[key] = self.builder_.add_func(func, "sgemm")
         out_type = relax.TensorType(out_shape, "float32")
-        return relax.call_dps_packed(PACKED_FUNC, args, out_type)
+        return relax.call_tir(self.funcs[key], [a, b], out_type)
 
     def _untransposed(self, x: relax.Expr) -> tuple[relax.Expr, bool]:
         """``(y, True)`` when ``x`` is ``permute_dims(y)`` swapping only the last two axes."""
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
-        if not (isinstance(bound, relax.Call) and bound.op.same_as(self.permute)):
+        if not _is(bound, self.permute):
             return x, False
-        ndim = len(static_shape(x))
-        axes = bound.attrs.axes
-        order = list(reversed(range(ndim))) if axes is None else [int(v) for v in axes]
-        swapped = list(range(ndim - 2)) + [ndim - 1, ndim - 2]
-        return (bound.args[0], True) if order == swapped else (x, False)
+        if _swaps_last_two(bound, len(static_shape(x))):
+            return bound.args[0], True
+        return x, False
+
+
+
+@mutator
+class _StackedRows(PyExprMutator):
+    """``collapse_sum_to(matmul(permute(x), g), (K, N))`` with ``x`` of shape ``(..., S, K)``
+    and ``g`` of shape ``(..., S, N)`` (a shared weight's gradient over a batch) becomes
+    ``matmul(permute(reshape(x, (-1, K))), reshape(g, (-1, N)))``: one matmul whose ``k``
+    runs over the batch too, instead of a batch of them and a sum."""
+
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.matmul, self.permute = Op.get("relax.matmul"), Op.get("relax.permute_dims")
+        self.collapse = Op.get("relax.collapse_sum_to")
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not _is(call, self.collapse):
+            return call
+        product = self._bound(call.args[0], self.matmul)
+        if product is None:
+            return call
+        permute, g = self._bound(product.args[0], self.permute), product.args[1]
+        if permute is None or not _float32(product):
+            return call
+        x = permute.args[0]
+        shapes = [static_shape(t) for t in (x, g, call)]
+        if any(s is None for s in shapes):
+            return call
+        x_shape, g_shape, target = shapes
+        if not (
+            len(x_shape) > 2
+            and x_shape[:-1] == g_shape[:-1]
+            and target == [x_shape[-1], g_shape[-1]]
+            and _swaps_last_two(permute, len(x_shape))
+        ):
+            return call
+        rows = math.prod(x_shape[:-1])
+        x2 = self.builder_.emit(relax.op.reshape(x, (rows, x_shape[-1])))
+        g2 = self.builder_.emit(relax.op.reshape(g, (rows, g_shape[-1])))
+        return relax.op.matmul(self.builder_.emit(relax.op.permute_dims(x2)), g2)
+
+    def _bound(self, expr, op: Op) -> relax.Call | None:
+        bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        return bound if _is(bound, op) else None
+
+
+def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:
+    axes = permute.attrs.axes
+    order = list(reversed(range(ndim))) if axes is None else [int(v) for v in axes]
+    return order == [*range(ndim - 2), ndim - 1, ndim - 2]
+
+
+def _is(expr, op: Op) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)
+
+
+def _float32(*exprs) -> bool:
+    return all(_ty.dtype_of(e) == "float32" for e in exprs)

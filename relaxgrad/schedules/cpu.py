@@ -187,7 +187,12 @@ class ParallelLoops(ScheduleRule):
             lanes = 4 * _vector_lanes(target, dtype)  # a few vectors per iteration
             if info.is_injective():
                 self._injective(sch, info, lanes)
-            else:
+                continue
+            trial = sch.copy()
+            try:
+                self._partial_vectors(trial, info, _vector_lanes(target, dtype))
+                sch = trial
+            except _NotApplicable:
                 self._reduction(sch, info, lanes)
         return sch
 
@@ -228,6 +233,55 @@ class ParallelLoops(ScheduleRule):
         if inner is not None:
             sch.vectorize(inner)
             sch.decompose_reduction(info.block_rv, first_reduction)
+
+
+    def _partial_vectors(self, sch: s_tir.Schedule, info, lanes: int) -> None:
+        """Accumulate ``lanes``-wide vectors of partial results over the innermost reduction
+        loop, when it runs along the innermost dimension of what the block reads, then reduce
+        each vector (raises :class:`_NotApplicable` otherwise)."""
+        kinds = info.dom_kind()
+        spatial = len(kinds) - len(kinds.lstrip("S"))
+        block = sch.get(info.block_rv)
+        if spatial == 0 or kinds[spatial:] != "R" * (len(kinds) - spatial):
+            raise _NotApplicable
+        if _indexes_innermost(block, info.iters[spatial - 1].var):
+            raise _NotApplicable  # the plain rule vectorizes the spatial loop
+        reduced = info.iters[-1].var
+        if not _reads_along(block, reduced):
+            raise _NotApplicable
+        loops = sch.get_loops(info.block_rv)
+        extent = get_extent(sch, loops[-1])
+        width = next((w for w in (lanes, lanes // 2, lanes // 4)
+                      if w > 1 and isinstance(extent, int) and extent % w == 0), None)  # fmt: skip
+        if width is None:
+            raise _NotApplicable
+        try:
+            _, inner = sch.split(loops[-1], [None, width])
+            partial = sch.rfactor(inner, factor_axis=len(block.writes[0].region))
+            outer = sch.get_loops(partial)[:spatial]
+            fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            if _static_product(info.dom()) >= self.parallel_elements:
+                sch.parallel(fused)
+            sch.reverse_compute_at(info.block_rv, fused)
+            sch.vectorize(sch.get_loops(partial)[-1])
+            sch.decompose_reduction(partial, sch.get_loops(partial)[1])
+        except (s_tir.ScheduleError, tvm.error.InternalError) as err:  # e.g. rfactor's checks
+            raise _NotApplicable from err
+
+
+class _NotApplicable(Exception):
+    """A schedule rule's variant does not apply to a block."""
+
+
+def _reads_along(block: tirx.SBlock, var: tirx.Var) -> bool:
+    """Whether ``block`` reads some buffer along ``var`` (its innermost index) and every buffer
+    it reads with ``var`` there only."""
+    uses = [r for r in block.reads if any(var in set(undefined_vars(x.min)) for x in r.region)]
+    return bool(uses) and all(
+        r.region[-1].min.same_as(var)
+        and not any(var in set(undefined_vars(x.min)) for x in r.region[:-1])
+        for r in uses
+    )
 
 
 def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:

@@ -1,5 +1,6 @@
 """MatmulToBLAS (relaxgrad/schedules/blas.py): large float32 matmuls as OpenBLAS calls, with
-transposes folded into sgemm's flags and batches looped or stacked."""
+transposes folded into sgemm's flags, batches looped or stacked, and a shared weight's gradient
+summed over a batch in one gemm."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _module(a_shape, b_shape, trans_a, trans_b) -> tvm.IRModule:
 def test_matmul_matches_numpy(a_shape, b_shape, trans_a, trans_b):
     mod = _module(a_shape, b_shape, trans_a, trans_b)
     rewritten = blas.MatmulToBLAS(min_macs=0)(mod).script()
-    assert blas.PACKED_FUNC in rewritten and "permute_dims" not in rewritten
+    assert _calls_sgemm(rewritten) and "permute_dims" not in rewritten
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
     executable = relaxgrad.compile(mod)
@@ -71,24 +72,60 @@ def test_default_permutation_is_a_transpose():
             out = bb.emit_output(op.matmul(x, op.permute_dims(w)))
         bb.emit_func_output(out)
     rewritten = blas.MatmulToBLAS()(bb.get()).script()
-    assert blas.PACKED_FUNC in rewritten and "permute_dims" not in rewritten
+    assert _calls_sgemm(rewritten) and "permute_dims" not in rewritten
 
 
 def test_small_and_broadcast_batch_matmuls_stay_in_tvm():
     small = _module((8, 16), (16, 8), False, False)
-    assert blas.PACKED_FUNC not in blas.MatmulToBLAS()(small).script()
+    assert not _calls_sgemm(blas.MatmulToBLAS()(small).script())
     broadcast = _module((1, 64, 96), (4, 96, 80), False, False)
-    assert blas.PACKED_FUNC not in blas.MatmulToBLAS(min_macs=0)(broadcast).script()
+    assert not _calls_sgemm(blas.MatmulToBLAS(min_macs=0)(broadcast).script())
 
 
-def test_split_over_threads(monkeypatch):
-    """Rows, or batches, split over the thread pool give the same result."""
-    if blas._POOL is None:
-        pytest.skip("one thread")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_over_threads(monkeypatch, threads):
+    """Rows, or batches, split over the tasks of a parallel loop give the same result."""
     monkeypatch.setattr(blas, "_SPLIT_MACS", 0)
     rng = np.random.default_rng(1)
     for a_shape, b_shape in (((97, 33), (33, 41)), ((5, 17, 33), (5, 33, 41))):
         a, b = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
-        out = tvm.runtime.tensor(np.zeros((*a_shape[:-1], b_shape[-1]), "float32"))
-        blas._matmul(tvm.runtime.tensor(a), tvm.runtime.tensor(b), 0, 0, out)
+        out_shape = (*a_shape[:-1], b_shape[-1])
+        func = blas.gemm_func(a_shape, b_shape, out_shape, False, False, threads)
+        assert ("T.parallel" in func.script()) == (threads > 1 or len(a_shape) > 2)
+        lib = tvm.compile(func.with_attr("global_symbol", "main"), target="llvm")
+        out = tvm.runtime.tensor(np.zeros(out_shape, "float32"))
+        lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
         np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_first", [True, False])
+def test_weight_gradient_over_a_batch_is_one_gemm(x_first):
+    """``collapse_sum_to(matmul(permute(x), g), (K, N))`` over a (B, S) batch (a dense layer's
+    weight gradient) is one gemm of k = B * S, equal to the sum of the batch's products."""
+    x = relax.Var("x", relax.TensorType((4, 32, 48), "float32"))
+    g = relax.Var("g", relax.TensorType((4, 32, 40), "float32"))
+    lhs, rhs = (x, g) if x_first else (g, x)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            product = bb.emit(op.matmul(bb.emit(op.permute_dims(lhs, [0, 2, 1])), rhs))
+            target = (lhs.ty.shape[-1], rhs.ty.shape[-1])
+            out = bb.emit_output(op.collapse_sum_to(product, target))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rewritten = blas.MatmulToBLAS(min_macs=0)(mod)
+    script = rewritten.script()
+    assert _calls_sgemm(script) and "collapse_sum_to" not in script
+    (sgemm,) = [f for gv, f in rewritten.functions_items() if gv.name_hint.startswith("sgemm")]
+    assert [int(d) for d in sgemm.params[0].ty.shape] == [128, int(target[0])]  # stacked rows
+    rng = np.random.default_rng(2)
+    xv, gv = (rng.standard_normal(s).astype("float32") for s in ((4, 32, 48), (4, 32, 40)))
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(gv)).numpy()
+    lv, rv = (xv, gv) if x_first else (gv, xv)
+    want = sum(lv[i].T @ rv[i] for i in range(4))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def _calls_sgemm(script: str) -> bool:
+    return "R.call_tir(cls.sgemm" in script and blas.SGEMM in script
