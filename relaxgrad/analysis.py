@@ -3,6 +3,10 @@ liveness estimate before it."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections import Counter
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -16,9 +20,15 @@ __all__ = [
     "live_peak_bytes",
     "planned_memory",
     "planned_memory_split",
+    "replay_memory_plan",
 ]
 
 _STORAGE_OPS = ("relax.vm.alloc_storage", "relax.memory.alloc_storage")
+#: ops that TVM's default pipeline lowers to views of their input (``RewriteDataflowReshape``)
+VIEW_OPS = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten"})
+#: the planner reuses a free storage for a tensor of ``size`` if the storage holds ``size / 16``
+#: to ``16 size`` bytes (``TokenAllocator1D::match_range_`` in TVM)
+MATCH_RANGE = 16
 _TENSOR_OPS = ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor")
 
 
@@ -186,3 +196,93 @@ def estimate_activation_bytes(func: relax.Function) -> int:
         The estimated peak, in bytes.
     """
     return live_peak_bytes(program_from_function(func))
+
+
+def replay_memory_plan(program: Program) -> dict[str, int]:
+    """TVM's static memory planner replayed on a function as plain data, without lowering it.
+
+    Replays the rules of ``StaticPlanBlockMemory`` (its ``TokenAllocator1D``) over the
+    bindings of ``program`` in order, one tensor per binding (as ``LegalizeOps`` lowers a Relax
+    op to one kernel): a tensor that reaches an output, or that nothing reads, gets a storage
+    of its own; any other takes the smallest free storage of ``size`` to ``16 size`` bytes, else
+    the largest free one of ``size / 16`` to ``size`` bytes, grown to ``size``, else a new
+    one. A storage is free again once every read of its tensor has run (aliases, and the
+    ``reshape``-like ops of :data:`VIEW_OPS`, which lowering makes views, read through to the
+    tensor). Free storages are pooled by dtype (``Node.dtype``). The total of the storages is
+    what :func:`planned_memory_split` measures after the real pipeline: exact on the adjoints
+    of ``bench/checkpoint.py``'s models and of a small CNN (tested), and about 20x faster. It
+    counts a tuple-valued call as one tensor, a value of unknown size (``nbytes`` 0) as none,
+    and the tensors a call of another function reads as never freed.
+
+    Parameters
+    ----------
+    program : Program
+        The function (e.g. an adjoint, from
+        :func:`~relaxgrad.transforms.policies.program_from_function`).
+
+    Returns
+    -------
+    dict[str, int]
+        ``{"outputs": ..., "other": ..., "total": ...}`` in bytes, as
+        :func:`planned_memory_split`.
+    """
+    nodes = program.nodes
+    alias = [n.op in ALIAS_OPS or n.op in VIEW_OPS for n in nodes]
+    foreign = [n.op in FREE_OPS or n.op == "if" or n.op.startswith("call:") for n in nodes]
+    roots: list[frozenset] = []  # the tensors (non-alias nodes) each node's value uses
+    for i, node in enumerate(nodes):
+        if alias[i]:
+            roots.append(frozenset().union(*(roots[j] for j in node.inputs)))
+        else:
+            roots.append(frozenset() if foreign[i] else frozenset((i,)))
+    read = [frozenset().union(*(roots[j] for j in n.inputs)) for n in nodes]
+    # what the outputs hold, or a call of a function reads, is never freed (TVM leaves the
+    # latter to the runtime: a storage of its own)
+    kept = frozenset().union(
+        *(roots[o] for o in program.outputs), *(read[i] for i in range(len(nodes)) if foreign[i])
+    )
+    outputs = frozenset().union(*(roots[o] for o in program.outputs))
+    reads: Counter = Counter()
+    for i in range(len(nodes)):
+        if not alias[i]:
+            reads.update(read[i])
+    pools: dict[str, list] = {}  # dtype -> free (bytes, order of release, storage), sorted
+    storage_bytes: list[int] = []
+    storage_dtype: list[str] = []
+    storage_of: dict[int, int] = {}
+    pending: dict[int, int] = {}  # storage -> reads of its tensor still to run
+    released = itertools.count()
+
+    def _release(storage: int) -> None:
+        pending[storage] -= 1
+        if not pending[storage]:
+            bisect.insort(
+                pools[storage_dtype[storage]], (storage_bytes[storage], next(released), storage)
+            )
+
+    for i, node in enumerate(nodes):
+        if alias[i] or foreign[i]:
+            continue
+        size, storage = node.nbytes, None
+        free = pools.setdefault(node.dtype, [])
+        if reads[i] and i not in kept:
+            low = bisect.bisect_left(free, (size // MATCH_RANGE,))
+            mid = bisect.bisect_left(free, (size,))
+            high = bisect.bisect_right(free, (size * MATCH_RANGE, float("inf")))
+            if mid < high:
+                storage = free.pop(mid)[2]
+            elif low < mid:
+                storage = free.pop(mid - 1)[2]
+                storage_bytes[storage] = size
+        if storage is None:
+            storage = len(storage_bytes)
+            storage_bytes.append(size)
+            storage_dtype.append(node.dtype)
+        storage_of[i] = storage
+        pending[storage] = reads[i] + (i in kept)
+        for r in read[i]:
+            _release(storage_of[r])
+    out = {storage_of[r] for r in outputs}
+    total = sum(storage_bytes)
+    other = sum(b for s, b in enumerate(storage_bytes) if s not in out)
+    return {"outputs": total - other, "other": other, "total": total}

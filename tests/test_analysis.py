@@ -13,9 +13,10 @@ from relaxgrad.analysis import (
     live_peak_bytes,
     planned_memory,
     planned_memory_split,
+    replay_memory_plan,
 )
 from relaxgrad.cli import load_module, main
-from relaxgrad.transforms.policies import Node, Program
+from relaxgrad.transforms.policies import Node, Program, program_from_function
 
 from .transforms.test_checkpoint import BATCH, WIDTH, mlp
 
@@ -117,3 +118,33 @@ def test_memory_command(chain_file, capsys):
     assert main(["memory", chain_file, "--adjoint"]) == 0
     assert "main_adjoint: planned storage" in capsys.readouterr().out
     assert main(["memory", chain_file, "--func", "nope"]) == 2
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "sqrt", "save_dots"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "cnn"])
+def test_replay_memory_plan_is_the_planner(model, checkpoint):
+    """Replaying TVM's planner on the Relax adjoint gives what the real lowering plans."""
+    from .transforms.test_policies import _models
+
+    mod = relaxgrad.Gradient("main", checkpoint=checkpoint)(_models()[model]())
+    replayed = replay_memory_plan(program_from_function(mod["main_adjoint"]))
+    assert replayed == planned_memory_split(mod, "main_adjoint")
+
+
+def test_replay_memory_plan_reuses_storage_by_size_class():
+    # a and b (16 bytes) get storages A and B; c (8) takes A, freed at b (the smallest free
+    # storage of 8 to 128 bytes); d (64, reading c through a view) grows B, freed at c (the
+    # largest of 4 to 64), e (136) grows A, and g (4096) is too big for B: a new storage; the
+    # output f gets a storage of its own
+    prog = Program((
+        Node("x", "param", (), 8, 0.0),
+        Node("a", "relax.exp", (0,), 16, 1.0),
+        Node("b", "relax.exp", (1,), 16, 1.0),
+        Node("c", "relax.exp", (2,), 8, 1.0),
+        Node("r", "relax.reshape", (3,), 0, 0.0),
+        Node("d", "relax.exp", (4,), 64, 1.0),
+        Node("e", "relax.exp", (5,), 136, 1.0),
+        Node("g", "relax.exp", (6,), 4096, 1.0),
+        Node("f", "relax.sum", (7,), 4, 1.0),
+    ), frozenset({8}))
+    assert replay_memory_plan(prog) == {"outputs": 4, "other": 136 + 64 + 4096, "total": 4300}

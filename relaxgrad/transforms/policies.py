@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -78,7 +78,9 @@ class Node:
     ``op`` is ``"param"``, a Relax op name (``"relax.matmul"``), ``"tuple"``, ``"get_item"``,
     ``"var"`` (an alias), ``"const"`` or ``"call:<global func name>"``; ``inputs`` are indices of
     earlier nodes; ``nbytes`` is 0 when unknown (and for aliases); ``cost`` estimates the
-    recomputation (flops; 0 for aliases, constants and parameters).
+    recomputation (flops; 0 for aliases, constants and parameters); ``dtype`` is the dtype of
+    its tensor(s) (``""`` when unknown or mixed; not compared: it only picks the storage pool
+    in :func:`relaxgrad.analysis.replay_memory_plan`).
     """
 
     name: str
@@ -86,6 +88,7 @@ class Node:
     inputs: tuple[int, ...]
     nbytes: int
     cost: float
+    dtype: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -497,21 +500,28 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
       most 16% of the forward cost) and none that fits in 5.
     - ``"live"``: :func:`backward_peak_bytes`, a simulation of the backward walk (kept values,
       recomputed values of several segments, adjoints and rule temporaries live at once), by
-      the same search as ``"peak"``. The closest to TVM's planned memory of the adjoint (on
-      ``bench/checkpoint.py``'s transformer its choice for 61 MiB plans 74 MiB, the
-      ``"peak"`` model's 101 MiB); use it to bound the backward pass's memory.
+      the same search as ``"peak"``. The closest to TVM's planned memory of the adjoint, but
+      not the planner: TVM's ``StaticPlanBlockMemory`` reuses storage by size classes and
+      fragments (on ``bench/checkpoint.py``'s transformer this policy's choice for 61 MiB
+      plans 74 MiB, the ``"peak"`` model's 101 MiB). So :func:`relaxgrad.Gradient` *fits*
+      a ``"live"`` budget ``B`` to the planner: it runs this policy for a few model budgets,
+      builds each choice's adjoint, replays TVM's planner on it
+      (:func:`relaxgrad.analysis.replay_memory_plan`, exact on the bench's models) and keeps
+      the choice with the least recompute among those planned within ``B`` (when none is, the
+      least planned). Use it to bound the backward pass's planned memory. Called directly,
+      the policy is the model's choice, a pure function of the program like the others.
 
     Parameters
     ----------
     nbytes : int
         The byte budget (>= 0).
     model : str
-        ``"saved"`` or ``"peak"``.
+        ``"saved"``, ``"peak"`` or ``"live"``.
 
     Returns
     -------
     Policy
-        The policy.
+        The policy; its ``capacity`` and ``model`` attributes are ``nbytes`` and ``model``.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
         raise GradientError(f"Gradient: a checkpoint budget must be a byte count >= 0, "
@@ -541,6 +551,7 @@ def budget(nbytes: int, model: str = "saved") -> Policy:
 
     policy.__name__ = policy.__qualname__ = (
         f"budget({capacity})" if model == "saved" else f"budget({capacity}, {model!r})")
+    policy.capacity, policy.model = capacity, model
     return policy
 
 
@@ -822,6 +833,12 @@ def _nbytes(ty) -> int:
     return total
 
 
+def _dtype(ty) -> str:
+    """The dtype of a (tuple of) tensor type(s); ``""`` when unknown or mixed."""
+    dtypes = {str(_ty.dtype_of(t) or "") for t in _tensor_types(ty)}
+    return dtypes.pop() if len(dtypes) == 1 else ""
+
+
 def _cost(op: str, value, ty) -> float:
     """Flops-like recompute cost by op kind: 2*M*N*K for matmul, one per element otherwise."""
     outs = [_elements(t) for t in _tensor_types(ty)]
@@ -891,7 +908,7 @@ def _build(params, bindings, outputs, name: str, start=(), end=()) -> tuple[Prog
     end_marked = {_ty.key(v) for v in end}
     for p in params:
         index[_ty.key(p)] = len(nodes)
-        nodes.append(Node(p.name, "param", (), _nbytes(p.ty), 0.0))
+        nodes.append(Node(p.name, "param", (), _nbytes(p.ty), 0.0, _dtype(p.ty)))
         variables.append(p)
     for binding in bindings:
         var, value = binding.var, binding.value
@@ -912,7 +929,7 @@ def _build(params, bindings, outputs, name: str, start=(), end=()) -> tuple[Prog
         nbytes = 0 if alias else _nbytes(var.ty)
         cost = 0.0 if alias or op == "const" else _cost(op, value, var.ty)
         index[_ty.key(var)] = len(nodes)
-        nodes.append(Node(var.name, op, inputs, nbytes, cost))
+        nodes.append(Node(var.name, op, inputs, nbytes, cost, _dtype(var.ty)))
         variables.append(var)
     returned = {index[_ty.key(v)] for v in outputs if _ty.key(v) in index}
     returned |= {i for i, v in enumerate(variables)
