@@ -6,6 +6,7 @@ checkpoint decision (a policy) -> reverse walk (:mod:`.backward`) -> simplify ->
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import tvm
@@ -266,6 +267,80 @@ def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> Non
             info.checkpoints.add(b.var)
 
 
+# -- fitting a "live" budget to TVM's memory planner -------------------------------------------
+#: the most adjoints built to fit a ``budget(B, "live")`` policy to TVM's memory planner
+MAX_FITTING_ROUNDS = 6
+
+
+def _fitted_budget(checkpoint) -> int | None:
+    """The byte budget of a ``policies.budget(B, "live")`` policy (fitted to the planner by
+    :func:`_fit_budget`), else None."""
+    if getattr(checkpoint, "model", None) == "live":
+        return getattr(checkpoint, "capacity", None)
+    return None
+
+
+def _fit_budget(mod, request: Request, callees, return_result: bool):
+    """The request with a ``"live"`` budget ``B`` replaced by the ``"live"`` budget whose adjoint
+    TVM plans within ``B`` with the least recompute, and that adjoint (:func:`differentiate`'s
+    result).
+
+    The ``"live"`` model simulates the backward walk, not TVM's planner, which reuses storage
+    by size classes and fragments (on ``bench/checkpoint.py``'s transformer the model's choice
+    for 61 MiB plans 74 MiB). So the policy is run for model budgets ``c`` (``B`` first, then
+    ``c`` scaled by ``B`` over the planned bytes, then bisection between the largest ``c`` that
+    fits and the smallest that does not), each choice's adjoint built and its planned bytes
+    other than outputs replayed by :func:`relaxgrad.analysis.replay_memory_plan` (exact on
+    the bench's models, about 0.1 s for a 12-block transformer), for at most
+    :data:`MAX_FITTING_ROUNDS` adjoints. Of the choices that fit, the one with the least
+    recompute cost wins; when none fits, the one with the least planned bytes.
+    """
+    from ..analysis import replay_memory_plan
+    from .policies import budget, program_from_function, recompute_cost
+
+    goal, model = _fitted_budget(request.checkpoint), request.checkpoint.model
+    trials: dict[int, tuple] = {}  # model budget -> (score, request, result)
+
+    def trial(capacity: int) -> tuple[bool, float, int]:
+        inner, costs = budget(capacity, model), []
+
+        def chosen(program):
+            saved = inner(program)
+            costs.append(recompute_cost(program, saved))
+            return saved
+
+        chosen.__name__ = chosen.__qualname__ = inner.__name__
+        fixed = dataclasses.replace(request, checkpoint=chosen)
+        result = _differentiate(mod, fixed, callees, return_result)
+        program = program_from_function(result[0], request.func_name)
+        planned = replay_memory_plan(program)["other"]
+        fits, cost = planned <= goal, sum(costs)
+        trials[capacity] = ((not fits, cost if fits else planned, planned), fixed, result)
+        return fits, cost, planned
+
+    capacity, fits_at, over_at = goal, None, None
+    for _ in range(MAX_FITTING_ROUNDS):
+        if capacity in trials:
+            break
+        fits, cost, planned = trial(capacity)
+        if fits:
+            fits_at = capacity if fits_at is None else max(fits_at, capacity)
+            if cost == 0:
+                break  # nothing recomputed: nothing more to gain
+        else:
+            over_at = capacity if over_at is None else min(over_at, capacity)
+            if capacity == 0:
+                break  # nothing saved, and still over
+        if fits_at is not None and over_at is not None:
+            if over_at - fits_at <= max(goal // 64, 1):
+                break
+            capacity = (fits_at + over_at) // 2
+        else:
+            capacity = int(capacity * min(4.0, max(0.25, goal / max(planned, 1))))
+    _, fixed, result = min(trials.values(), key=lambda t: t[0])
+    return fixed, result
+
+
 # -- the whole function ------------------------------------------------------------------------
 def differentiate(
     mod: IRModule,
@@ -277,7 +352,23 @@ def differentiate(
     """The adjoint function of ``request.func`` (not yet added to any module), and ``mod`` with
     whatever the rules added to it (e.g. TE gradient kernels). ``forward_keys``, when given,
     receives the ``_ty.key`` of every var the re-emitted forward bindings define (split mode
-    partitions the adjoint with it)."""
+    partitions the adjoint with it). A ``policies.budget(B, "live")`` checkpoint is first
+    fitted to TVM's memory planner (:func:`_fit_budget`)."""
+    if _fitted_budget(request.checkpoint) is not None:
+        request, result = _fit_budget(mod, request, callees, return_result)
+        if forward_keys is None:
+            return result
+    return _differentiate(mod, request, callees, return_result, forward_keys)
+
+
+def _differentiate(
+    mod: IRModule,
+    request: Request,
+    callees: Callees | None,
+    return_result: bool = True,
+    forward_keys: set | None = None,
+) -> tuple[Function, IRModule]:
+    """:func:`differentiate` for the request's policy as it is."""
     func = request.func
     copied = relax.utils.copy_with_new_vars(func)
     var_map = _var_map(func, copied)

@@ -436,3 +436,33 @@ def test_live_budget_fits_its_budget_with_less_recompute_than_sqrt():
     saved = P.budget(cap, "live")(prog)
     assert P.backward_peak_bytes(prog, saved) <= cap
     assert P.recompute_cost(prog, saved) <= P.recompute_cost(prog, sqrt_saved)
+
+
+def test_live_budget_is_fitted_within_its_budget_after_tvm_lowering():
+    """A ``"live"`` budget holds for TVM's planned memory of the adjoint (what the real lowering
+    plans, outputs aside), though the model's own choice plans over it on this transformer;
+    the fitted adjoint's gradients are no checkpointing's."""
+    from relaxgrad.analysis import planned_memory_split
+
+    mod = _bench_models().transformer(4, batch=2, seq=16, dim=32, heads=2)
+    prog = P.program_from_function(mod["main"])
+    plain = relaxgrad.Gradient("main", checkpoint="none")(mod)
+    cap = int(0.7 * planned_memory_split(plain, "main_adjoint")["other"])
+    policy = P.budget(cap, "live")
+    unfitted = relaxgrad.Gradient("main", checkpoint=lambda p: policy(p))(mod)
+    assert planned_memory_split(unfitted, "main_adjoint")["other"] > cap  # the planner fragments
+    fitted = relaxgrad.Gradient("main", checkpoint=policy)(mod)
+    assert planned_memory_split(fitted, "main_adjoint")["other"] <= cap
+    cp = [b.var.name for block in fitted["main_adjoint"].body.blocks for b in block.bindings
+          if b.var.name.endswith("_cp")]
+    assert cp and len(cp) == len(set(cp))  # it still recomputes, each value once
+    inputs = [tvm.runtime.tensor(a * 0.5) for a in random_inputs(mod["main"], seed=3)]
+    results = []
+    for adjoint in (plain, fitted):
+        vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+        loss, grads = vm["main_adjoint"](*inputs)
+        results.append((loss.numpy(), [g.numpy() for g in grads]))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    for a, b in zip(results[1][1], results[0][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert P.budget(cap, "live")(prog) == policy(prog)  # the policy itself stays a pure function
