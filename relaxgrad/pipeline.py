@@ -33,7 +33,7 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 from .errors import GradientError
-from .schedules import ConvToMatmul, FastExp, MatmulToBLAS, ScheduleCPU, ScheduleGPU
+from .schedules import ConvToMatmul, FastMath, MatmulToBLAS, ScheduleCPU, ScheduleGPU
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -147,8 +147,8 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
-    ``ScheduleCPU()``) as its scheduling step after fusion, and float32 ``exp`` as a
-    vectorizable polynomial (:class:`FastExp`).
+    ``ScheduleCPU()``) as its scheduling step after fusion, and float32 ``exp``, ``tanh`` and
+    ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -157,7 +157,7 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU()
     before = [ConvToMatmul(), MatmulToBLAS()]
-    return _pipeline(schedule, before, [FastExp()], [], "relaxgrad.cpu_pipeline")
+    return _pipeline(schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline")
 
 
 def _pipeline(

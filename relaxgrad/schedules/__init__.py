@@ -5,19 +5,20 @@
 that raises or whose schedule fails verification falls through to the next, and the choice is
 recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
 matmuls (:class:`ConvToMatmul`) and large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`);
-after scheduling, float32 ``exp`` becomes a polynomial LLVM vectorizes (:class:`FastExp`).
+after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
+(:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS
 from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
-from .fast_math import FastExp
+from .fast_math import FastMath
 from .gpu import FullReduction
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
     "ConvToMatmul",
-    "FastExp",
+    "FastMath",
     "FullReduction",
     "MatmulToBLAS",
     "ParallelLoops",

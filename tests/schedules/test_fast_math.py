@@ -1,5 +1,6 @@
-"""FastExp (relaxgrad/schedules/fast_math.py): float32 ``exp`` as a polynomial LLVM vectorizes,
-within 2 ulp of the correctly rounded value, with exp's special values."""
+"""FastMath (relaxgrad/schedules/fast_math.py): float32 ``exp``, ``tanh`` and ``sigmoid`` as
+polynomials LLVM vectorizes, within a few ulp of the correctly rounded value, with the special
+values of each."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ from tvm import relax, s_tir, te
 from tvm.relax import op
 
 import relaxgrad
-from relaxgrad.schedules import FastExp
+from relaxgrad.schedules import FastMath
+
+FUNCS = {  # name: (TE op, float64 reference, max ulp, range checked)
+    "exp": (te.exp, np.exp, 2, (-87.3, 88.7)),
+    "tanh": (te.tanh, np.tanh, 3, (-12.0, 12.0)),
+    "sigmoid": (te.sigmoid, lambda x: 1 / (1 + np.exp(-x)), 3, (-87.0, 40.0)),
+}
+SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.72, 88.7228, -87.33, -87.34, -100.0,
+                    1e-8, -1e-8, 0.6249, 0.625, 44.0, -44.0, 1000.0], "float32")  # fmt: skip
 
 
-def _exp_func(n: int, dtype: str, vectorize: bool) -> tvm.IRModule:
+def _compiled(func, n: int, dtype: str, vectorize: bool):
     x = te.placeholder((n,), dtype)
-    y = te.compute(x.shape, lambda i: te.exp(x[i]), name="y")
-    mod = FastExp()(tvm.IRModule({"main": te.create_prim_func([x, y])}))
+    y = te.compute(x.shape, lambda i: func(x[i]), name="y")
+    mod = FastMath()(tvm.IRModule({"main": te.create_prim_func([x, y])}))
     if vectorize:
         sch = s_tir.Schedule(mod)
         (loop,) = sch.get_loops(sch.get_sblock("y"))
@@ -26,41 +35,52 @@ def _exp_func(n: int, dtype: str, vectorize: bool) -> tvm.IRModule:
 
 
 @pytest.mark.parametrize("vectorize", [False, True])
-def test_within_two_ulp_and_special_values(vectorize):
-    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.72, 88.7228, -87.33, -87.34,
-                        -100.0, 1e-8, -1e-8], "float32")  # fmt: skip
-    xs = np.concatenate([np.linspace(-87.3, 88.7, 200_000, dtype="float32"), special])
+@pytest.mark.parametrize("name", list(FUNCS))
+def test_within_a_few_ulp_and_special_values(name, vectorize):
+    func, reference, max_ulp, (low, high) = FUNCS[name]
+    xs = np.concatenate([np.linspace(low, high, 100_000, dtype="float32"), SPECIAL])
     xs = np.pad(xs, (0, -len(xs) % 16))
-    mod = _exp_func(len(xs), "float32", vectorize)
-    assert "T.exp" not in mod.script()
+    mod = _compiled(func, len(xs), "float32", vectorize)
+    assert f"T.{name}" not in mod.script()
     out = tvm.runtime.tensor(np.zeros_like(xs))
     tvm.compile(mod, target="llvm")(tvm.runtime.tensor(xs), out)
     got = out.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = reference(xs.astype("float64")).astype("float32")
+    normal = np.isfinite(want) & (np.abs(want) >= np.finfo("float32").tiny)
+    ulps = np.abs(got[normal].astype("float64") - want[normal]) / np.spacing(np.abs(want[normal]))
+    assert ulps.max() <= max_ulp
+    special = got[100_000 : 100_000 + len(SPECIAL)]
+    assert np.isnan(special[0])
     with np.errstate(over="ignore"):
-        want = np.exp(xs.astype("float64")).astype("float32")
-    normal = np.isfinite(want) & (want >= np.finfo("float32").tiny)
-    ulps = np.abs(got[normal].astype("float64") - want[normal]) / np.spacing(want[normal])
-    assert ulps.max() <= 2
-    got_special = got[200_000 : 200_000 + len(special)]
-    assert np.isnan(got_special[0]) and got_special[1] == np.inf
-    assert got_special[2] == 0 and got_special[3] == got_special[4] == 1
-    assert got_special[9] == 0  # below the range: flushed to 0, like -inf
+        expected = reference(SPECIAL[1:].astype("float64"))
+    if name == "exp":
+        expected[7] = 0.0  # -87.34: below the range, flushed to 0 like a subnormal
+    np.testing.assert_allclose(special[1:], expected, rtol=3e-7, atol=1e-38)
 
 
 def test_other_dtypes_are_left_to_llvm():
-    mod = _exp_func(8, "float64", False)
-    assert "T.exp" in mod.script()
+    for name, (func, *_) in FUNCS.items():
+        assert f"T.{name}" in _compiled(func, 8, "float64", False).script()
 
 
-def test_softmax_compiled_has_no_libm_exp_and_matches_numpy():
+@pytest.mark.parametrize("activation", ["softmax", "tanh", "sigmoid"])
+def test_compiled_models_match_numpy(activation):
     x = relax.Var("x", relax.TensorType((4, 64), "float32"))
+    body = {"softmax": lambda x: op.nn.softmax(x, -1), "tanh": op.tanh, "sigmoid": op.sigmoid}
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(op.nn.softmax(x, -1))
+            out = bb.emit_output(body[activation](x))
         bb.emit_func_output(out)
     executable = relaxgrad.compile(bb.get(), "llvm")
     xv = np.random.default_rng(0).standard_normal((4, 64)).astype("float32") * 10
     got = relax.VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(xv)).numpy()
-    want = np.exp(xv - xv.max(-1, keepdims=True))
-    np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    x64 = xv.astype("float64")
+    want = {
+        "softmax": np.exp(x64 - x64.max(-1, keepdims=True))
+        / np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1, keepdims=True),
+        "tanh": np.tanh(x64),
+        "sigmoid": 1 / (1 + np.exp(-x64)),
+    }[activation]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
