@@ -1,5 +1,6 @@
 """relaxgrad: reverse-mode automatic differentiation for Apache TVM's Relax IR."""
 
+from . import _threads  # noqa: F401 (first: sets TVM_NUM_THREADS before TVM's pool starts)
 from .errors import GradientError
 from .ops import get_gradient, register_gradient, registered_ops
 from .pipeline import compile

@@ -85,14 +85,20 @@ def gemm_func(
     flag_a, flag_b = (_TRANS if trans_a else _NO_TRANS), (_TRANS if trans_b else _NO_TRANS)
     a_stride, b_stride = m * k * a_batched, k * n * b_batched
     a_row = 1 if trans_a else k  # elements between rows of op(a)
+    b_col = k if trans_b else 1  # elements between columns of op(b)
     chunks = 1
     if batch * m * n * k >= _SPLIT_MACS and batch < threads:
         chunks = threads
-    step = -(-m // chunks)
-    chunks = -(-m // step)
+    # Each task takes rows of the result, or columns where it is wider than tall (each task
+    # packs its own part of op(b) or op(a) then).
+    by_cols = n > m
+    size = n if by_cols else m
+    step = -(-size // chunks)
+    chunks = -(-size // step)
     tasks = batch * chunks
     a_size, b_size, out_size = (math.prod(s) for s in (a_shape, b_shape, out_shape))
     symbol, parallel = SGEMM, tasks > 1 and batch * m * n * k >= _SPLIT_MACS
+    row_step, col_step = (0, step) if by_cols else (step, 0)
 
     @T.prim_func(private=True, check_well_formed=False)
     def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
@@ -105,17 +111,20 @@ def gemm_func(
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
         for task in T.parallel(tasks) if parallel else T.serial(tasks):
             i = task // chunks
-            row = task % chunks * step
+            row = task % chunks * row_step
+            col = task % chunks * col_step
             T.evaluate(
                 T.call_extern(
                     "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                    T.Cast("int64", T.min(step, m - row)), T.int64(n), T.int64(k),
+                    T.Cast("int64", T.min(step, m - row) if not by_cols else m),
+                    T.Cast("int64", T.min(step, n - col) if by_cols else n),
+                    T.int64(k),
                     T.float32(1),
                     T.address_of(a_flat[i * a_stride + row * a_row]),
                     T.int64(lda),
-                    T.address_of(b_flat[i * b_stride]), T.int64(ldb),
+                    T.address_of(b_flat[i * b_stride + col * b_col]), T.int64(ldb),
                     T.float32(0),
-                    T.address_of(out_flat[i * m * n + row * n]), T.int64(n),
+                    T.address_of(out_flat[i * m * n + row * n + col]), T.int64(n),
                 )  # fmt: skip
             )
 

@@ -4,6 +4,8 @@ summed over a batch in one gemm."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import tvm
@@ -84,18 +86,22 @@ def test_small_and_broadcast_batch_matmuls_stay_in_tvm():
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_split_over_threads(monkeypatch, threads):
-    """Rows, or batches, split over the tasks of a parallel loop give the same result."""
+    """Rows, columns (a result wider than tall) or batches split over the tasks of a parallel
+    loop give the same result, with either operand transposed."""
     monkeypatch.setattr(blas, "_SPLIT_MACS", 0)
     rng = np.random.default_rng(1)
-    for a_shape, b_shape in (((97, 33), (33, 41)), ((5, 17, 33), (5, 33, 41))):
-        a, b = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
+    cases = [((97, 33), (33, 41)), ((29, 33), (33, 97)), ((5, 17, 33), (5, 33, 41))]
+    for (a_shape, b_shape), trans_a, trans_b in itertools.product(cases, (0, 1), (0, 1)):
+        lhs, rhs = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
+        a = np.ascontiguousarray(np.swapaxes(lhs, -1, -2)) if trans_a else lhs
+        b = np.ascontiguousarray(np.swapaxes(rhs, -1, -2)) if trans_b else rhs
         out_shape = (*a_shape[:-1], b_shape[-1])
-        func = blas.gemm_func(a_shape, b_shape, out_shape, False, False, threads)
+        func = blas.gemm_func(a.shape, b.shape, out_shape, trans_a, trans_b, threads)
         assert ("T.parallel" in func.script()) == (threads > 1 or len(a_shape) > 2)
         lib = tvm.compile(func.with_attr("global_symbol", "main"), target="llvm")
         out = tvm.runtime.tensor(np.zeros(out_shape, "float32"))
         lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
-        np.testing.assert_allclose(out.numpy(), a @ b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out.numpy(), lhs @ rhs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("x_first", [True, False])
