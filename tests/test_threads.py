@@ -25,8 +25,10 @@ def test_configure_keeps_the_users_setting(monkeypatch):
 
 def test_tvm_runs_on_every_physical_core_after_import():
     env = {k: v for k, v in os.environ.items() if k != "TVM_NUM_THREADS"}
-    code = ("import relaxgrad, tvm; from relaxgrad import _threads; "
-            "print(tvm.get_global_func('runtime.NumThreads')(), _threads.physical_cores())")  # fmt: skip
+    code = (
+        "import relaxgrad, tvm; from relaxgrad import _threads; "
+        "print(tvm.get_global_func('runtime.NumThreads')(), _threads.physical_cores())"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     threads, cores = out.stdout.split()
     assert threads == cores
