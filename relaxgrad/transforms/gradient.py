@@ -7,6 +7,7 @@ checkpoint decision (a policy) -> reverse walk (:mod:`.backward`) -> simplify ->
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import tvm
@@ -270,6 +271,8 @@ def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> Non
 # -- fitting a "live" budget to TVM's memory planner -------------------------------------------
 #: the most adjoints built to fit a ``budget(B, "live")`` policy to TVM's memory planner
 MAX_FITTING_ROUNDS = 6
+#: segment counts, in multiples of sqrt's, tried when no budget choice fits
+SEGMENT_GRAINS = (1.0, 1.2, 1.4, 2.0)
 
 
 def _fitted_budget(checkpoint) -> int | None:
@@ -293,16 +296,17 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
     other than outputs replayed by :func:`relaxgrad.analysis.replay_memory_plan` (exact on
     the bench's models, about 0.1 s for a 12-block transformer), for at most
     :data:`MAX_FITTING_ROUNDS` adjoints. Of the choices that fit, the one with the least
-    recompute cost wins; when none fits, the one with the least planned bytes.
+    recompute cost wins. When none fits, :func:`policies.segments` at :data:`SEGMENT_GRAINS`
+    is tried too, and again the least recompute that fits, else the least planned bytes, wins.
     """
     from ..analysis import replay_memory_plan
-    from .policies import budget, program_from_function, recompute_cost
+    from .policies import budget, costly_count, program_from_function, recompute_cost, segments
 
     goal, model = _fitted_budget(request.checkpoint), request.checkpoint.model
     trials: dict[int, tuple] = {}  # model budget -> (score, request, result)
 
-    def trial(capacity: int) -> tuple[bool, float, int]:
-        inner, costs = budget(capacity, model), []
+    def trial(capacity, inner=None) -> tuple[bool, float, int]:
+        inner, costs = inner or budget(capacity, model), []
 
         def chosen(program):
             saved = inner(program)
@@ -337,6 +341,17 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
             capacity = (fits_at + over_at) // 2
         else:
             capacity = int(capacity * min(4.0, max(0.25, goal / max(planned, 1))))
+    if not any(fits for (over, _, _), _, _ in trials.values() for fits in [not over]):
+        # The knapsack's save sets bottom out above B (on the 12-block transformer at 0.295 of
+        # no checkpointing, for B = 0.25): try the sqrt segmentation at finer grains too (one
+        # segment per block planned 0.250 there), at more recompute.
+        for grain in SEGMENT_GRAINS:
+
+            def finer(program, grain=grain):
+                return segments(program, grain * math.sqrt(max(costly_count(program), 1)))
+
+            finer.__name__ = finer.__qualname__ = f"segments_x{grain}"
+            trial(("segments", grain), finer)
     _, fixed, result = min(trials.values(), key=lambda t: t[0])
     return fixed, result
 

@@ -395,15 +395,29 @@ def sqrt(program: Program) -> frozenset:
     frozenset[int]
         Indices of the saved nodes (with parameters and constants).
     """
+    return segments(program)
+
+
+def costly_count(program: Program) -> int:
+    """The nodes :func:`sqrt` counts: intermediates costing at least their mean cost."""
+    nodes = program.nodes
+    costly = [_counts(program, i) and nodes[i].op not in ALIAS_OPS for i in range(len(nodes))]
+    if not any(costly):
+        return 0
+    mean_cost = statistics.fmean(nodes[i].cost for i in range(len(nodes)) if costly[i])
+    return sum(1 for i in range(len(nodes)) if costly[i] and nodes[i].cost >= mean_cost)
+
+
+def segments(program: Program, count: float | None = None) -> frozenset:
+    """:func:`sqrt` with ``count`` segments (about; ``sqrt(n)`` when None): more segments keep
+    more boundaries and recompute smaller pieces at a time."""
     nodes = program.nodes
     costly = [_counts(program, i) and nodes[i].op not in ALIAS_OPS for i in range(len(nodes))]
     sized = any(nodes[i].nbytes for i in range(len(nodes)) if costly[i])
     weight = [(nodes[i].nbytes if sized else 1) if costly[i] else 0 for i in range(len(nodes))]
     if not any(costly):
         return _finish(program, ())
-    mean_cost = statistics.fmean(nodes[i].cost for i in range(len(nodes)) if costly[i])
-    count = sum(1 for i in range(len(nodes)) if costly[i] and nodes[i].cost >= mean_cost)
-    segment = sum(weight) / math.sqrt(count)
+    segment = sum(weight) / (count if count else math.sqrt(costly_count(program)))
     last_use = list(range(len(nodes)))
     for i, node in enumerate(nodes):
         for j in node.inputs:

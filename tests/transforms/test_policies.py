@@ -116,6 +116,13 @@ def test_sqrt_saves_every_sqrt_n_th_node_of_a_chain():
     assert names(prog, P.sqrt(prog)) == {"x", "n4", "n8", "n12", "n16"}
 
 
+def test_segments_cut_a_chain_into_that_many_pieces():
+    prog = chain(16)
+    assert P.segments(prog) == P.sqrt(prog)
+    assert names(prog, P.segments(prog, 2)) == {"x", "n8", "n16"}
+    assert names(prog, P.segments(prog, 8)) == {"x", *(f"n{i}" for i in range(2, 17, 2))}
+
+
 def test_sqrt_saves_only_cut_points_of_residual_blocks():
     # h_{i+1} = h_i + tanh(tanh(h_i)): inside a block, h_i is live, so only the h_i are cuts
     nodes = [("x", "param", (), 4, 0.0), ("h0", "relax.tanh", (0,), 4, 1.0)]
