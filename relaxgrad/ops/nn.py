@@ -538,8 +538,15 @@ def _batch_norm_train_grads(x, gamma, grads, attrs, channel: int):
     dx = dgamma = dbeta = None
     if g is not None:
         g = _wide(g, dtype)
-        gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
-        dx = _standardized_grad(xhat, rstd, gx if attrs.scale else g, axes)
+        _, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+        # _standardized_grad's means of gx = g * gamma and gx * xhat over the normalized axes
+        # (all but the channel) are dbeta and dgamma, times gamma / n: two reductions saved.
+        per_channel = [1] * len(dims)
+        per_channel[channel] = dims[channel]
+        n = scalar(count(x, axes), _wide_dtype(dtype))
+        scale = rstd * reshape(_wide(gamma, dtype), per_channel) if attrs.scale else rstd
+        sums = reshape(dbeta, per_channel) + xhat * reshape(dgamma, per_channel)
+        dx = scale * (g - sums / n)
     wide, momentum = _wide_dtype(dtype), float(attrs.momentum)
     per_element = const(momentum, wide) / scalar(count(x, axes), wide)  # m / n
     stat_grads = []
