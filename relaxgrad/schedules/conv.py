@@ -111,7 +111,7 @@ class _Rewriter(PyExprMutator):
                 oy, ox = tirx.min(y // kh, gh - 1), tirx.min(x // kw, gw - 1)
                 hit = tirx.all(y < gh * kh, x < gw * kw,
                                index[b, ci, oy, ox] == (y % kh) * kw + x % kw)  # fmt: skip
-                return tirx.if_then_else(hit, grad[b, ci, oy, ox], tirx.const(0, grad.dtype))
+                return tirx.Select(hit, grad[b, ci, oy, ox], tirx.const(0, grad.dtype))
 
             return te.compute(shapes[1], value, name="max_unpool")
 
@@ -205,9 +205,9 @@ class _Rewriter(PyExprMutator):
                     oy < gh, ox < gw,
                 )  # fmt: skip
                 tap = (ci * kh + ky) * kw + kx
-                read = data[b, tap, tirx.min(oy, gh - 1) * gw + tirx.min(ox, gw - 1)]
-                return te.sum(tirx.if_then_else(inside, read, tirx.const(0, data.dtype)),
-                              axis=[ky, kx])  # fmt: skip
+                row, col = (tirx.max(tirx.min(v, e - 1), 0) for v, e in ((oy, gh), (ox, gw)))
+                read = data[b, tap, row * gw + col]  # in bounds: a select, not a branch
+                return te.sum(tirx.Select(inside, read, tirx.const(0, data.dtype)), axis=[ky, kx])
 
             return te.compute((n, c, h, wd), value, name="col2im")
 
@@ -249,4 +249,5 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
     h, w = (int(v) for v in data.shape[2:])
     inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
     value = data[b, ci, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0)]
-    return tirx.if_then_else(inside, value, tirx.const(0, data.dtype))
+    # The read is clamped in bounds, so a select (vectorizable), not if_then_else (a branch).
+    return tirx.Select(inside, value, tirx.const(0, data.dtype))
