@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
+from tvm.ir import IRModule
 from tvm.relax import op
 
 from .. import _ty
@@ -63,17 +64,31 @@ class Optimizer:
         return self
 
     def get_function(self) -> relax.Function:
-        """``optimizer(params, gradients, optim_states) -> (new_params, new_optim_states)``."""
+        """``optimizer(params, gradients, optim_states) -> (new_params, new_optim_states)``, in
+        Relax ops only (see :meth:`add_to` for the fused kernels a Trainer compiles)."""
+        return self._build(relax.BlockBuilder(), self.name, fused=False)[self.name]
+
+    def add_to(self, mod: IRModule, name: str) -> IRModule:
+        """``mod`` with the function of :meth:`get_function` added as ``name``, its updates
+        fused into one kernel per parameter where the optimizer has one (:class:`Adam`: each
+        element of the parameter, gradient and moments read once, instead of three passes)."""
+        if name in [gv.name_hint for gv in mod.get_global_vars()]:
+            raise ValueError(
+                f"{type(self).__name__}: the module already has a function named {name!r}"
+            )
+        return self._build(relax.BlockBuilder(mod), name, fused=True)
+
+    def _build(self, bb: relax.BlockBuilder, name: str, fused: bool) -> IRModule:
         if self.param_list is None:
             raise RuntimeError(f"{type(self).__name__}: call init(params) before get_function()")
+        self._fusing = fused
         params, n = self.param_list, len(self.param_list)
         param_tuple = relax.TupleType([p.ty for p in params])
         state_tys = [relax.TensorType((), self.dtype)] + [p.ty for _ in self.slots for p in params]
         p_var = relax.Var("params", param_tuple)
         g_var = relax.Var("gradients", param_tuple)
         s_var = relax.Var("optim_states", relax.TupleType(state_tys))
-        bb = relax.BlockBuilder()
-        with bb.function(self.name, [p_var, g_var, s_var]):
+        with bb.function(name, [p_var, g_var, s_var]):
             with bb.dataflow():
                 step = bb.emit(relax.TupleGetItem(s_var, 0) + self._const(1), "step")
                 new_params, new_slots = [], [[None] * n for _ in self.slots]
@@ -93,7 +108,7 @@ class Optimizer:
                 out_params = bb.emit_output(relax.Tuple(new_params), "params_new")
                 out_state = bb.emit_output(relax.Tuple(state), "optim_states_new")
             bb.emit_func_output(relax.Tuple([out_params, out_state]))
-        return bb.get()[self.name]
+        return bb.get()
 
     def _update(self, bb: relax.BlockBuilder, p, g, slots: list, step):
         """``(new param, [new slot, ...])`` for one parameter ``p`` with gradient ``g``; ``step``
@@ -180,12 +195,34 @@ class Adam(Optimizer):
         c, (beta1, beta2) = self._const, self.betas
         g = self._l2(bb, p, g)
         p = self._decay(bb, p)
+        if getattr(self, "_fusing", False):
+            # One kernel for the three updates: each element of p, g, m and v is read once (as
+            # separate ops, m and v were written, then read again for p).
+            fused = bb.emit_te(self._fused, p, g, *slots, step, primfunc_name_hint="adam_update")
+            return relax.TupleGetItem(fused, 0), [relax.TupleGetItem(fused, k) for k in (1, 2)]
         m = bb.emit(slots[0] + c(1.0 - beta1) * (g - slots[0]))
         v = bb.emit(c(beta2) * slots[1] + c(1.0 - beta2) * (g * g))
         step_size = c(self.lr) / (c(1.0) - op.power(c(beta1), step))
         correction2 = op.sqrt(c(1.0) - op.power(c(beta2), step))
         denom = op.sqrt(v) / correction2 + c(self.eps)
         return p - step_size * (m / denom), [m, v]
+
+    def _fused(self, p, g, m, v, step):
+        """``(new p, new m, new v)`` as one TE computation (see :class:`Adam`)."""
+        (beta1, beta2), dtype = self.betas, p.dtype
+
+        def c(value):
+            return tirx.const(value, dtype)
+
+        def update(*i):
+            new_m = m(*i) + c(1.0 - beta1) * (g(*i) - m(*i))
+            new_v = c(beta2) * v(*i) + c(1.0 - beta2) * (g(*i) * g(*i))
+            step_size = c(self.lr) / (c(1.0) - tirx.power(c(beta1), step()))
+            correction2 = tirx.sqrt(c(1.0) - tirx.power(c(beta2), step()))
+            denom = tirx.sqrt(new_v) / correction2 + c(self.eps)
+            return [p(*i) - step_size * (new_m / denom), new_m, new_v]
+
+        return te.compute(p.shape, update, name="adam")
 
     def _decay(self, bb, p):
         """The parameter before the update (decayed in place by :class:`AdamW`)."""

@@ -359,8 +359,9 @@ def training_module(
       tuple, ``(loss, *fields 1.. of the result)``);
     - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``, the
       loss as target (index 0 of a tuple);
-    - ``<func>_optimizer(params, gradients, optim_states)``: ``optimizer.get_function()``
-      (``optimizer.init`` is called, so ``optimizer.state`` holds the initial state);
+    - ``<func>_optimizer(params, gradients, optim_states)``: ``optimizer.add_to`` (the
+      function of ``optimizer.get_function()`` with fused update kernels; ``optimizer.init``
+      is called, so ``optimizer.state`` holds the initial state);
     - ``<func>_sample_loss(prediction, target)``: the per-sample losses (``reduction="none"``).
     """
     mod = append_loss(model, loss, func_name, target_type)
@@ -373,7 +374,11 @@ def training_module(
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
     mod = Gradient(loss_name, trainable, target_index=0)(mod)
     optimizer.init(trainable)
-    mod = _with_function(mod, f"{func_name}_optimizer", optimizer.get_function())
+    if f"{func_name}_optimizer" in _names(mod):
+        raise ValueError(
+            f"Trainer: the model module already has a function named '{func_name}_optimizer'"
+        )
+    mod = optimizer.add_to(mod, f"{func_name}_optimizer")
     prediction_ty = prediction_type(model[func_name])
     sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
     return _with_function(mod, f"{func_name}_sample_loss", sample_loss)

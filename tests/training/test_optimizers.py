@@ -21,11 +21,15 @@ def _problem(dtype="float32"):
     return values, grads
 
 
-def _run(optimizer: Optimizer, values, grads):
-    """Parameters after each step of the compiled optimizer function."""
+def _run(optimizer: Optimizer, values, grads, fused: bool = False):
+    """Parameters after each step of the compiled optimizer function (with the fused update
+    kernels a Trainer compiles, ``add_to``, where ``fused``)."""
     params = [relax.Var(f"p{i}", relax.TensorType(v.shape, v.dtype)) for i, v in enumerate(values)]
     optimizer.init(params)
-    mod = tvm.IRModule({"optimizer": optimizer.get_function()})
+    if fused:
+        mod = optimizer.add_to(tvm.IRModule(), "optimizer")
+    else:
+        mod = tvm.IRModule({"optimizer": optimizer.get_function()})
     step = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["optimizer"]
     current, state, history = [tvm.runtime.tensor(v) for v in values], optimizer.state, []
     for g in grads:
@@ -97,16 +101,17 @@ CASES = {
 
 
 @functools.cache
-def _ours(case):
+def _ours(case, fused=False):
     """Our optimizer's parameter history and final state on ``_problem()`` (compiled once)."""
-    return _run(CASES[case][0](), *_problem())
+    return _run(CASES[case][0](), *_problem(), fused=fused)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_closed_form(case):
+def test_matches_closed_form(case, fused):
     _, update, n_slots, hyper, _ = CASES[case]
     values, grads = _problem()
-    got, state = _ours(case)
+    got, state = _ours(case, fused)
     expected = _reference(update, n_slots, values, grads, **hyper)
     for step, (g_step, e_step) in enumerate(zip(got, expected), start=1):
         for i, (g, e) in enumerate(zip(g_step, e_step)):
@@ -115,12 +120,13 @@ def test_matches_closed_form(case):
     assert len(state) == 1 + n_slots * len(SHAPES)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_torch(case):
+def test_matches_torch(case, fused):
     torch = pytest.importorskip("torch")
     theirs = CASES[case][4]
     values, grads = _problem()
-    got, _ = _ours(case)
+    got, _ = _ours(case, fused)
     params = [torch.tensor(v, requires_grad=True) for v in values]
     optimizer = theirs(torch, params)
     for step, step_grads in enumerate(grads):
@@ -167,3 +173,25 @@ def test_float64_parameters():
     expected = _reference(_adam, 2, values, grads, lr=0.01, betas=(0.9, 0.999), eps=1e-8,
                           weight_decay=0.1, decoupled=True)
     np.testing.assert_allclose(got[-1][0], expected[-1][0], rtol=1e-12)
+
+
+def test_adam_update_is_one_kernel_per_parameter():
+    params = [relax.Var(f"p{i}", relax.TensorType(s, "float32")) for i, s in enumerate(SHAPES)]
+    mod = Adam().init(params).add_to(tvm.IRModule(), "optimizer")
+    kernels = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert len(kernels) == len(SHAPES) and all(k.startswith("adam_update") for k in kernels)
+    with pytest.raises(ValueError, match="already has a function named 'optimizer'"):
+        Adam().init(params).add_to(mod, "optimizer")
+
+
+def test_trainer_module_with_fused_adam_builds_for_cuda():
+    """The fused update kernels get GPU schedules too (a build needs no GPU)."""
+    import relaxgrad
+    from relaxgrad.training import CrossEntropyLoss
+    from relaxgrad.training.models import mlp
+    from relaxgrad.training.trainer import training_module
+
+    model = mlp(16, 64, (32,), 10)
+    mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), Adam(1e-3))
+    assert any(gv.name_hint.startswith("adam_update") for gv in mod.get_global_vars())
+    relaxgrad.compile(mod, {"kind": "cuda", "arch": "sm_90"})
