@@ -81,7 +81,6 @@ class Optimizer:
     def _build(self, bb: relax.BlockBuilder, name: str, fused: bool) -> IRModule:
         if self.param_list is None:
             raise RuntimeError(f"{type(self).__name__}: call init(params) before get_function()")
-        self._fusing = fused
         params, n = self.param_list, len(self.param_list)
         param_tuple = relax.TupleType([p.ty for p in params])
         state_tys = [relax.TensorType((), self.dtype)] + [p.ty for _ in self.slots for p in params]
@@ -100,7 +99,8 @@ class Optimizer:
                         bb.emit(relax.TupleGetItem(s_var, 1 + k * n + i), f"{name}_{slot}")
                         for k, slot in enumerate(self.slots)
                     ]
-                    p_new, slots_new = self._update(bb, p, g, slots, step)
+                    update = self._fused_update if fused else self._update
+                    p_new, slots_new = update(bb, p, g, slots, step)
                     new_params.append(bb.emit(p_new, f"{name}_new"))
                     for k, slot in enumerate(self.slots):
                         new_slots[k][i] = bb.emit(slots_new[k], f"{name}_{slot}_new")
@@ -114,6 +114,11 @@ class Optimizer:
         """``(new param, [new slot, ...])`` for one parameter ``p`` with gradient ``g``; ``step``
         is the step count including this update (1 at the first)."""
         raise NotImplementedError
+
+    def _fused_update(self, bb: relax.BlockBuilder, p, g, slots: list, step):
+        """:meth:`_update` with its elementwise work in as few kernels as the optimizer can
+        (:meth:`add_to`); by default the same ops."""
+        return self._update(bb, p, g, slots, step)
 
     def _const(self, value: float) -> relax.Constant:
         return relax.const(value, self.dtype)
@@ -195,17 +200,20 @@ class Adam(Optimizer):
         c, (beta1, beta2) = self._const, self.betas
         g = self._l2(bb, p, g)
         p = self._decay(bb, p)
-        if getattr(self, "_fusing", False):
-            # One kernel for the three updates: each element of p, g, m and v is read once (as
-            # separate ops, m and v were written, then read again for p).
-            fused = bb.emit_te(self._fused, p, g, *slots, step, primfunc_name_hint="adam_update")
-            return relax.TupleGetItem(fused, 0), [relax.TupleGetItem(fused, k) for k in (1, 2)]
         m = bb.emit(slots[0] + c(1.0 - beta1) * (g - slots[0]))
         v = bb.emit(c(beta2) * slots[1] + c(1.0 - beta2) * (g * g))
         step_size = c(self.lr) / (c(1.0) - op.power(c(beta1), step))
         correction2 = op.sqrt(c(1.0) - op.power(c(beta2), step))
         denom = op.sqrt(v) / correction2 + c(self.eps)
         return p - step_size * (m / denom), [m, v]
+
+    def _fused_update(self, bb, p, g, slots, step):
+        # One kernel for the three updates: each element of p, g, m and v is read once (as
+        # separate ops, m and v were written, then read again for p).
+        g = self._l2(bb, p, g)
+        p = self._decay(bb, p)
+        fused = bb.emit_te(self._fused, p, g, *slots, step, primfunc_name_hint="adam_update")
+        return relax.TupleGetItem(fused, 0), [relax.TupleGetItem(fused, k) for k in (1, 2)]
 
     def _fused(self, p, g, m, v, step):
         """``(new p, new m, new v)`` as one TE computation (see :class:`Adam`)."""
