@@ -146,8 +146,9 @@ def _split_k_func(a_shape, b_shape, out_shape, trans_a, trans_b, threads) -> tir
     k = a_shape[-2] if trans_a else a_shape[-1]
     swap = n > m
     if swap:  # out^T = op(b)^T @ op(a)^T: b is the left operand, with the opposite flag
-        (a_shape, trans_a), (b_shape, trans_b), (m, n) = (b_shape, not trans_b), (
-            a_shape, not trans_a), (n, m)  # fmt: skip
+        a_shape, b_shape = b_shape, a_shape
+        trans_a, trans_b = not trans_b, not trans_a
+        m, n = n, m
     lda, ldb = (m if trans_a else k), (k if trans_b else n)
     flag_a, flag_b = (_TRANS if trans_a else _NO_TRANS), (_TRANS if trans_b else _NO_TRANS)
     a_k = m if trans_a else 1  # elements between k-steps of op(a)
