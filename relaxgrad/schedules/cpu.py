@@ -157,7 +157,7 @@ def _operand_with(block: tirx.SBlock, position: int) -> int:
     """The index in ``block.reads`` of the operand indexed by the block's ``position``-th iter."""
     var = block.iter_vars[position].var
     for index, read in enumerate(block.reads):
-        if any(var in set(undefined_vars(r.min)) for r in read.region):
+        if any(_mentions(r.min, var) for r in read.region):
             return index
     raise GradientError(f"TiledMatmul: block {block.name_hint} reads nothing indexed by {var}")
 
@@ -234,7 +234,6 @@ class ParallelLoops(ScheduleRule):
             sch.vectorize(inner)
             sch.decompose_reduction(info.block_rv, first_reduction)
 
-
     def _partial_vectors(self, sch: s_tir.Schedule, info, lanes: int) -> None:
         """Accumulate ``lanes``-wide vectors of partial results over the innermost reduction
         loop, when it runs along the innermost dimension of what the block reads, then reduce
@@ -276,12 +275,15 @@ class _NotApplicable(Exception):
 def _reads_along(block: tirx.SBlock, var: tirx.Var) -> bool:
     """Whether ``block`` reads some buffer along ``var`` (its innermost index) and every buffer
     it reads with ``var`` there only."""
-    uses = [r for r in block.reads if any(var in set(undefined_vars(x.min)) for x in r.region)]
+    uses = [r for r in block.reads if any(_mentions(x.min, var) for x in r.region)]
     return bool(uses) and all(
-        r.region[-1].min.same_as(var)
-        and not any(var in set(undefined_vars(x.min)) for x in r.region[:-1])
+        r.region[-1].min.same_as(var) and not any(_mentions(x.min, var) for x in r.region[:-1])
         for r in uses
     )
+
+
+def _mentions(expr, var: tirx.Var) -> bool:
+    return var in set(undefined_vars(expr))
 
 
 def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:

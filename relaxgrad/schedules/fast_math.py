@@ -41,9 +41,8 @@ def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
         var = tirx.Var(name, str(value.ty))
         return tirx.Let(var, value, body(var))
 
-    def scaled(x, n):
-        r = tirx.max(tirx.min(x, const(_HIGH)), const(_LOW)) - n * const(_LN2_HI)
-        r = r - n * const(_LN2_LO)
+    def scaled(clamped, n):
+        r = clamped - n * const(_LN2_HI) - n * const(_LN2_LO)
         return let("r", r, lambda r: times_power_of_two(polynomial(r), n))
 
     def polynomial(r):
@@ -61,7 +60,8 @@ def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
     def exp(x):
         clamped = tirx.max(tirx.min(x, const(_HIGH)), const(_LOW))
-        result = let("n", tirx.floor(clamped * const(_LOG2E) + const(0.5)), lambda n: scaled(x, n))
+        n = tirx.floor(clamped * const(_LOG2E) + const(0.5))
+        result = let("n", n, lambda n: scaled(clamped, n))
         result = tirx.Select(x < const(_LOW), const(0.0), result)
         result = tirx.Select(x > const(_HIGH), const(float("inf")), result)
         # NaN from its bits: LLVM's fast-math flags fold ``x != x`` away.

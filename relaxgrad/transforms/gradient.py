@@ -341,7 +341,7 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
             capacity = (fits_at + over_at) // 2
         else:
             capacity = int(capacity * min(4.0, max(0.25, goal / max(planned, 1))))
-    if not any(fits for (over, _, _), _, _ in trials.values() for fits in [not over]):
+    if all(over for (over, _, _), _, _ in trials.values()):
         # The knapsack's save sets bottom out above B (on the 12-block transformer at 0.295 of
         # no checkpointing, for B = 0.25): try the sqrt segmentation at finer grains too (one
         # segment per block planned 0.250 there), at more recompute.
