@@ -271,8 +271,9 @@ def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> Non
 # -- fitting a "live" budget to TVM's memory planner -------------------------------------------
 #: the most adjoints built to fit a ``budget(B, "live")`` policy to TVM's memory planner
 MAX_FITTING_ROUNDS = 6
-#: segment counts, in multiples of sqrt's, tried when no budget choice fits
-SEGMENT_GRAINS = (1.0, 1.2, 1.4, 2.0)
+#: segment counts, in multiples of sqrt's, tried in order when no budget choice fits (until one
+#: fits: each recomputes about one forward pass, and TVM's planner is not monotone in the count)
+SEGMENT_GRAINS = (1.0, 1.2, 1.4, 1.7, 2.0, 2.5, 3.0, 4.0)
 
 
 def _fitted_budget(checkpoint) -> int | None:
@@ -297,7 +298,8 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
     the bench's models, about 0.1 s for a 12-block transformer), for at most
     :data:`MAX_FITTING_ROUNDS` adjoints. Of the choices that fit, the one with the least
     recompute cost wins. When none fits, :func:`policies.segments` at :data:`SEGMENT_GRAINS`
-    is tried too, and again the least recompute that fits, else the least planned bytes, wins.
+    is tried too, in order up to the first that fits, and again the least recompute that fits,
+    else the least planned bytes, wins.
     """
     from ..analysis import replay_memory_plan
     from .policies import budget, costly_count, program_from_function, recompute_cost, segments
@@ -342,16 +344,18 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
         else:
             capacity = int(capacity * min(4.0, max(0.25, goal / max(planned, 1))))
     if all(over for (over, _, _), _, _ in trials.values()):
-        # The knapsack's save sets bottom out above B (on the 12-block transformer at 0.295 of
-        # no checkpointing, for B = 0.25): try the sqrt segmentation at finer grains too (one
-        # segment per block planned 0.250 there), at more recompute.
+        # The knapsack's save sets bottom out above B (on the 12-block transformer at 0.29 of
+        # no checkpointing, for B = 0.25): try the sqrt segmentation at finer grains too (2.5x
+        # sqrt's count planned 0.23 there, where 1.2x to 2x planned 0.25 to 0.34), at more
+        # recompute.
         for grain in SEGMENT_GRAINS:
 
             def finer(program, grain=grain):
                 return segments(program, grain * math.sqrt(max(costly_count(program), 1)))
 
             finer.__name__ = finer.__qualname__ = f"segments_x{grain}"
-            trial(("segments", grain), finer)
+            if trial(("segments", grain), finer)[0]:
+                break
     _, fixed, result = min(trials.values(), key=lambda t: t[0])
     return fixed, result
 

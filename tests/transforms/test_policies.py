@@ -473,3 +473,35 @@ def test_live_budget_is_fitted_within_its_budget_after_tvm_lowering():
     for a, b in zip(results[1][1], results[0][1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert P.budget(cap, "live")(prog) == policy(prog)  # the policy itself stays a pure function
+
+
+def test_live_budget_falls_back_to_finer_segments_when_no_knapsack_choice_fits(monkeypatch):
+    """When none of the knapsack's save sets plans within the budget (here: a knapsack that
+    saves everything), finer sqrt segmentations are tried up to the first that fits; its
+    adjoint plans within the budget and its gradients are no checkpointing's."""
+    from relaxgrad.analysis import planned_memory_split
+    from relaxgrad.transforms import gradient
+
+    mod = _bench_models().transformer(6, batch=2, seq=16, dim=32, heads=2)
+    plain = relaxgrad.Gradient("main", checkpoint="none")(mod)
+    everything = planned_memory_split(plain, "main_adjoint")["other"]
+    sqrt_planned = planned_memory_split(
+        relaxgrad.Gradient("main", checkpoint="sqrt")(mod), "main_adjoint")["other"]
+    cap = (sqrt_planned + everything) // 2
+    policy = P.budget(cap, "live")
+    monkeypatch.setattr(P, "budget", lambda capacity, model: P.none)
+    tried = []
+    real_segments = P.segments
+    monkeypatch.setattr(P, "segments", lambda prog, count: tried.append(count)
+                        or real_segments(prog, count))
+    fitted = relaxgrad.Gradient("main", checkpoint=policy)(mod)
+    assert tried and len(tried) <= len(gradient.SEGMENT_GRAINS)
+    assert planned_memory_split(fitted, "main_adjoint")["other"] <= cap
+    inputs = [tvm.runtime.tensor(a * 0.5) for a in random_inputs(mod["main"], seed=4)]
+    results = []
+    for adjoint in (plain, fitted):
+        vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+        loss, grads = vm["main_adjoint"](*inputs)
+        results.append([loss.numpy()] + [g.numpy() for g in grads])
+    for a, b in zip(results[1], results[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
