@@ -33,7 +33,7 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 from .errors import GradientError
-from .schedules import ConvToMatmul, FastMath, MatmulToBLAS, ScheduleCPU, ScheduleGPU
+from .schedules import ConvToMatmul, FastMath, MatmulToBLAS, MeanAsSum, ScheduleCPU, ScheduleGPU
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -156,7 +156,7 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU()
-    before = [ConvToMatmul(), MatmulToBLAS()]
+    before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
     return _pipeline(schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline")
 
 

@@ -513,3 +513,22 @@ def test_reductions_along_the_innermost_axis_accumulate_vectors(name):
     xs = [rng.standard_normal(s).astype("float32") for s in shapes]
     (got,) = _run(relaxgrad.compile(mod, "llvm"), "main", xs)
     np.testing.assert_allclose(got, reference(*xs), rtol=1e-5, atol=1e-5)
+
+
+def test_sum_over_rows_with_a_per_row_scale_vectorizes_the_columns():
+    """``collapse_sum_to(a * b * r, (C,))`` with ``r`` broadcast along the columns (layer
+    norm's ``dgamma = sum(g * c * rstd)``) keeps the columns innermost and vectorized, like a
+    plain bias gradient, and gives numpy's values."""
+    shapes = [(4, 32, 64), (4, 32, 64), (4, 32, 1)]
+
+    def body(bb, a, b, r):
+        return op.collapse_sum_to(op.multiply(op.multiply(a, b), r), (64,))
+
+    mod = _module([(f"x{i}", s) for i, s in enumerate(shapes)], body)
+    after = _scheduled(_fused(mod), ScheduleCPU())
+    (func,) = [f for _, f in after.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert tvm.tirx.ForKind.VECTORIZED in _loop_kinds(func)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    (got,) = _run(relaxgrad.compile(mod, "llvm"), "main", xs)
+    np.testing.assert_allclose(got, (xs[0] * xs[1] * xs[2]).sum((0, 1)), rtol=1e-5, atol=1e-5)

@@ -440,15 +440,23 @@ def _per_axes(param, axes: list[int], dims: list, dtype: str):
 
 @register_gradient("relax.nn.layer_norm")
 def layer_norm_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``y = xhat * gamma + beta``, xhat standardized over ``axes``; backward:
-    ``[dx(g * gamma), sum(g * xhat), sum(g)]``, sums over the other axes."""
+    """Forward: ``y = xhat * gamma + beta``, ``xhat = c * rstd``, ``c = x - mean(x)``,
+    ``rstd = rsqrt(mean(c * c) + eps)`` over ``axes``; backward, with ``gx = g * gamma``:
+    ``dx = rstd * (gx - mean(gx) - c * rstd^2 * mean(gx * c))``, ``dgamma = sum(g * c * rstd)``
+    and ``dbeta = sum(g)``, sums over the other axes. Written on ``c`` and per-row scalars, so
+    that each mean is one pass fused with the product it reduces and ``dx`` one more pass."""
     x, gamma, beta = orig_call.args
     attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
     axes = _norm_axes("relax.nn.layer_norm", attrs, len(dims))
-    g = _wide(output_grad, dtype)
-    xhat, rstd = _standardized(_wide(x, dtype), axes, float(attrs.epsilon), _wide_dtype(dtype))
-    dx = _standardized_grad(xhat, rstd, g * _per_axes(gamma, axes, dims, dtype), axes)
-    dgamma, dbeta = _sum_except(g * xhat, axes, len(dims)), _sum_except(g, axes, len(dims))
+    wide, g = _wide_dtype(dtype), _wide(output_grad, dtype)
+    xw = _wide(x, dtype)
+    centered = xw - mean(xw, axes, keepdims=True)
+    rstd = rsqrt(mean(centered * centered, axes, keepdims=True) + const(float(attrs.epsilon), wide))
+    gx = g * _per_axes(gamma, axes, dims, dtype)
+    slope = rstd * rstd * mean(gx * centered, axes, keepdims=True)
+    dx = rstd * (gx - mean(gx, axes, keepdims=True) - centered * slope)
+    dgamma = _sum_except(g * centered * rstd, axes, len(dims))
+    dbeta = _sum_except(g, axes, len(dims))
     return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
 
 

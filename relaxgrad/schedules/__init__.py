@@ -4,7 +4,8 @@
 (:class:`TiledMatmul`, dlight's CPU rules, :class:`ParallelLoops`) share one mechanism: a rule
 that raises or whose schedule fails verification falls through to the next, and the choice is
 recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
-matmuls (:class:`ConvToMatmul`) and large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`);
+matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`)
+and means into sums that fuse with the products they reduce (:class:`MeanAsSum`);
 after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
 (:class:`FastMath`).
 """
@@ -14,6 +15,7 @@ from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
 from .fast_math import FastMath
 from .gpu import FullReduction
+from .means import MeanAsSum
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "FastMath",
     "FullReduction",
     "MatmulToBLAS",
+    "MeanAsSum",
     "ParallelLoops",
     "ScheduleCPU",
     "ScheduleGPU",

@@ -135,26 +135,36 @@ def gemm_func(
     return gemm
 
 
-def _split_k_func(a_shape, b_shape, out_shape, trans_a, trans_b, threads) -> tirx.PrimFunc:
+def _split_k_func(
+    a_shape, b_shape, out_shape, trans_a, trans_b, threads, batched: bool = False
+) -> tirx.PrimFunc:
     """:func:`gemm_func` for a small 2-D result of a long ``k`` (a convolution's weight
     gradient: (32, 27) from k = 65536): OpenBLAS runs such a gemm at a fifth of its speed, and
     rows or columns split over threads leave each a sliver. Instead each task sums the products
     of its part of ``k``, in slices of both operands that stay in cache, into a partial result,
     and the partial results are added. Where the result is wider than tall, the tasks compute
-    ``op(b)^T @ op(a)^T`` (OpenBLAS was 1.35x faster) and the sum transposes it back."""
+    ``op(b)^T @ op(a)^T`` (OpenBLAS was 1.35x faster) and the sum transposes it back.
+
+    ``batched``: ``out = sum_i op(a[i]) @ op(b[i])`` over the leading axis of 3-D ``a`` and
+    ``b`` (a weight gradient summed over a batch whose ``k`` is not contiguous across it), one
+    batch per slice."""
     m, n = out_shape
-    k = a_shape[-2] if trans_a else a_shape[-1]
     swap = n > m
     if swap:  # out^T = op(b)^T @ op(a)^T: b is the left operand, with the opposite flag
         a_shape, b_shape = b_shape, a_shape
         trans_a, trans_b = not trans_b, not trans_a
         m, n = n, m
+    k = a_shape[-2] if trans_a else a_shape[-1]
     lda, ldb = (m if trans_a else k), (k if trans_b else n)
     flag_a, flag_b = (_TRANS if trans_a else _NO_TRANS), (_TRANS if trans_b else _NO_TRANS)
-    a_k = m if trans_a else 1  # elements between k-steps of op(a)
-    b_k = 1 if trans_b else n  # elements between k-steps of op(b)
-    piece = min(max(1024, _CACHE_BYTES // (4 * (m + n))), -(-k // threads))
-    pieces = -(-k // piece)
+    if batched:  # a slice per batch: its k, a whole matrix apart
+        pieces, piece, k_total = a_shape[0], k, a_shape[0] * k
+        a_step, b_step = math.prod(a_shape[1:]), math.prod(b_shape[1:])
+    else:  # cache-sized slices of k
+        piece = min(max(1024, _CACHE_BYTES // (4 * (m + n))), -(-k // threads))
+        pieces, k_total = -(-k // piece), k
+        a_step = piece * (m if trans_a else 1)  # elements between slices of op(a)
+        b_step = piece * (1 if trans_b else n)
     per_task = -(-pieces // threads)
     tasks = -(-pieces // per_task)
     a_size, b_size = math.prod(a_shape), math.prod(b_shape)
@@ -172,15 +182,16 @@ def _split_k_func(a_shape, b_shape, out_shape, trans_a, trans_b, threads) -> tir
         partial = T.decl_buffer((tasks * out_size,), "float32")
         for task in T.parallel(tasks) if tasks > 1 else T.serial(tasks):
             for step in range(per_task):
-                start = (task * per_task + step) * piece
-                if start < k:
+                index = task * per_task + step
+                if index < pieces:
                     T.evaluate(
                         T.call_extern(
                             "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                            T.int64(m), T.int64(n), T.Cast("int64", T.min(piece, k - start)),
+                            T.int64(m), T.int64(n),
+                            T.Cast("int64", T.min(piece, k_total - index * piece)),
                             T.float32(1),
-                            T.address_of(a_flat[start * a_k]), T.int64(lda),
-                            T.address_of(b_flat[start * b_k]), T.int64(ldb),
+                            T.address_of(a_flat[index * a_step]), T.int64(lda),
+                            T.address_of(b_flat[index * b_step]), T.int64(ldb),
                             T.Select(step == 0, T.float32(0), T.float32(1)),
                             T.address_of(partial[task * out_size]), T.int64(n),
                         )  # fmt: skip
@@ -207,7 +218,7 @@ class MatmulToBLAS:
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         if not available():
             return mod
-        mod = rewrite_functions(_StackedRows(mod), mod)
+        mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
         return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
 
@@ -217,7 +228,7 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, min_macs: int):
         super().__init__(mod)
         self.min_macs = min_macs
-        self.matmul, self.permute = Op.get("relax.matmul"), Op.get("relax.permute_dims")
+        self.matmul = Op.get("relax.matmul")
         self.funcs: dict[tuple, relax.GlobalVar] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -236,7 +247,7 @@ class _Rewriter(PyExprMutator):
         return self._gemm(*call.args, out_shape)
 
     def _gemm(self, a: relax.Expr, b: relax.Expr, out_shape: list[int]) -> relax.Expr:
-        (a, trans_a), (b, trans_b) = self._untransposed(a), self._untransposed(b)
+        (a, trans_a), (b, trans_b) = _untransposed(self, a), _untransposed(self, b)
         return self._call(a, b, out_shape, trans_a, trans_b)
 
     def _call(self, a, b, out_shape, trans_a: bool, trans_b: bool) -> relax.Expr:
@@ -248,26 +259,23 @@ class _Rewriter(PyExprMutator):
         out_type = relax.TensorType(out_shape, "float32")
         return relax.call_tir(self.funcs[key], [a, b], out_type)
 
-    def _untransposed(self, x: relax.Expr) -> tuple[relax.Expr, bool]:
-        """``(y, True)`` when ``x`` is ``permute_dims(y)`` swapping only the last two axes."""
-        bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
-        if not _is(bound, self.permute):
-            return x, False
-        if _swaps_last_two(bound, len(static_shape(x))):
-            return bound.args[0], True
-        return x, False
-
-
 
 @mutator
-class _StackedRows(PyExprMutator):
-    """``collapse_sum_to(matmul(permute(x), g), (K, N))`` with ``x`` of shape ``(..., S, K)``
-    and ``g`` of shape ``(..., S, N)`` (a shared weight's gradient over a batch) becomes
-    ``matmul(permute(reshape(x, (-1, K))), reshape(g, (-1, N)))``: one matmul whose ``k``
-    runs over the batch too, instead of a batch of them and a sum."""
+class _SummedProducts(PyExprMutator):
+    """``collapse_sum_to(matmul(a, b), (M, N))`` over a batch of products, e.g. a shared
+    weight's gradient:
 
-    def __init__(self, mod: IRModule):
+    - with ``a = permute(x)``, ``x`` of shape ``(..., S, K)`` and ``b`` of shape ``(..., S, N)``
+      and not a transpose (a dense layer's), it becomes
+      ``matmul(permute(reshape(x, (-1, K))), reshape(b, (-1, N)))``: one matmul whose ``k``
+      runs over the batch too, instead of a batch of them and a sum;
+    - with 3-D ``a`` and ``b`` otherwise (a convolution's, ``g[n] @ cols[n]^T``, where ``k``
+      is not contiguous across the batch), one call that accumulates the batch's products
+      into a partial result per task (:func:`_split_k_func`), if it has ``min_macs``."""
+
+    def __init__(self, mod: IRModule, min_macs: int):
         super().__init__(mod)
+        self.min_macs = min_macs
         self.matmul, self.permute = Op.get("relax.matmul"), Op.get("relax.permute_dims")
         self.collapse = Op.get("relax.collapse_sum_to")
 
@@ -276,15 +284,19 @@ class _StackedRows(PyExprMutator):
         if not _is(call, self.collapse):
             return call
         product = self._bound(call.args[0], self.matmul)
-        if product is None:
+        if product is None or not _float32(product):
             return call
+        stacked = self._stacked_rows(call, product)
+        return stacked if stacked is not None else self._batch_sum(call, product)
+
+    def _stacked_rows(self, call: relax.Call, product: relax.Call) -> relax.Expr | None:
         permute, g = self._bound(product.args[0], self.permute), product.args[1]
-        if permute is None or not _float32(product):
-            return call
+        if permute is None or _untransposed(self, g)[1]:
+            return None  # (a transposed g would be copied to stack its rows: a batch sum)
         x = permute.args[0]
         shapes = [static_shape(t) for t in (x, g, call)]
         if any(s is None for s in shapes):
-            return call
+            return None
         x_shape, g_shape, target = shapes
         if not (
             len(x_shape) > 2
@@ -292,15 +304,43 @@ class _StackedRows(PyExprMutator):
             and target == [x_shape[-1], g_shape[-1]]
             and _swaps_last_two(permute, len(x_shape))
         ):
-            return call
+            return None
         rows = math.prod(x_shape[:-1])
         x2 = self.builder_.emit(relax.op.reshape(x, (rows, x_shape[-1])))
         g2 = self.builder_.emit(relax.op.reshape(g, (rows, g_shape[-1])))
         return relax.op.matmul(self.builder_.emit(relax.op.permute_dims(x2)), g2)
 
+    def _batch_sum(self, call: relax.Call, product: relax.Call) -> relax.Expr:
+        (a, trans_a), (b, trans_b) = (_untransposed(self, arg) for arg in product.args)
+        shapes = [static_shape(t) for t in (a, b, product, call)]
+        if any(s is None for s in shapes):
+            return call
+        a_shape, b_shape, product_shape, target = shapes
+        if not (
+            len(a_shape) == len(b_shape) == len(product_shape) == 3
+            and a_shape[0] == b_shape[0]
+            and target == product_shape[1:]
+        ):
+            return call
+        k = a_shape[1] if trans_a else a_shape[2]
+        if math.prod(product_shape) * k < self.min_macs:
+            return call
+        func = _split_k_func(a_shape, b_shape, target, trans_a, trans_b, THREADS, batched=True)
+        gvar = self.builder_.add_func(func, "sgemm_sum")
+        return relax.call_tir(gvar, [a, b], relax.TensorType(target, "float32"))
+
     def _bound(self, expr, op: Op) -> relax.Call | None:
         bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
         return bound if _is(bound, op) else None
+
+
+def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bool]:
+    """``(y, True)`` when ``x`` is bound to ``permute_dims(y)`` swapping only the last two
+    axes, else ``(x, False)``."""
+    bound = mutator.lookup_binding(x) if isinstance(x, relax.Var) else None
+    if _is(bound, Op.get("relax.permute_dims")) and _swaps_last_two(bound, len(static_shape(x))):
+        return bound.args[0], True
+    return x, False
 
 
 def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:

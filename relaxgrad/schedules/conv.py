@@ -8,7 +8,8 @@ and a plain ``R.matmul``, which the matmul schedule or BLAS then runs:
 
 - forward ``conv2d`` (``NCHW``, ``OIHW``): ``y[n] = W (O, C*KH*KW) @ cols[n] (C*KH*KW, OH*OW)``;
 - the weight gradient, ``conv2d`` with layouts ``CNHW`` / ``IOHW`` / ``CNHW`` (as emitted by
-  relaxgrad's rule): ``dw (O, C*KH*KW) = g (O, N*OH*OW) @ cols (N*OH*OW, C*KH*KW)``;
+  relaxgrad's rule): ``dw (O, C*KH*KW) = sum_n g[n] (O, OH*OW) @ cols[n]^T`` with the
+  forward's im2col where BLAS runs it, else ``g (O, N*OH*OW) @ cols (N*OH*OW, C*KH*KW)``;
 - the data gradient, ``conv2d_transpose`` (``NCHW``, ``IOHW``):
   ``cols[n] = W^T (C*KH*KW, O) @ g[n] (O, H*W)``, then col2im sums the ``KH*KW`` taps.
 
@@ -27,6 +28,7 @@ from tvm.relax import op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
+from . import blas
 from ._common import rewrite_functions, static_shape
 
 _OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter unfused
@@ -35,16 +37,25 @@ _OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter 
 @tvm.transform.module_pass(opt_level=0, name="ConvToMatmul")
 class ConvToMatmul:
     """Rewrite 2-D convolutions into im2col/col2im and matmuls, and tiling max-pool gradients
-    into an argmax and a gather (see the module docstring)."""
+    into an argmax and a gather (see the module docstring).
+
+    ``summed_batches`` (default: where :mod:`.blas` finds OpenBLAS) picks the weight
+    gradient's form: a sum over the batch of ``g[n] @ cols[n]^T`` with the forward's im2col
+    layout, which :class:`~.blas.MatmulToBLAS` runs as one accumulating call, instead of one
+    matmul over a transposed im2col and a transposed ``g`` (two more copies)."""
+
+    def __init__(self, summed_batches: bool | None = None):
+        self.summed_batches = blas.available() if summed_batches is None else summed_batches
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return rewrite_functions(_Rewriter(mod), mod)
+        return rewrite_functions(_Rewriter(mod, self.summed_batches), mod)
 
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule):
+    def __init__(self, mod: IRModule, summed_batches: bool):
         super().__init__(mod)
+        self.summed_batches = summed_batches
         self.conv2d = Op.get("relax.nn.conv2d")
         self.conv2d_transpose = Op.get("relax.nn.conv2d_transpose")
         self.max_pool_backward = Op.get("relax.grad.max_pool2d_backward")
@@ -172,11 +183,19 @@ class _Rewriter(PyExprMutator):
     def _weight_grad(self, x, g, conv: _Params, x_shape, g_shape, dw_shape) -> relax.Expr:
         # x (N, C, H, W) read as CNHW, g (N, O, OH, OW) read as IOHW, dw (O, C, KH, KW) as CNHW:
         # dw[o, c, ky, kx] = sum_{n, oy, ox} xpad[n, c, ky * s + oy * d, kx * s + ox * d] *
-        # g[n, o, oy, ox], with s and d this convolution's strides and dilation.
+        # g[n, o, oy, ox], with s and d this convolution's strides and dilation (the forward
+        # convolution's dilation and strides).
         n, c, _, _ = x_shape
         _, o, oh, ow = g_shape
         kh, kw = dw_shape[2:]
         taps = c * kh * kw
+        if self.summed_batches:  # the forward's im2col, and sum_n g[n] @ cols[n]^T
+            forward = conv.swapped()
+            extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
+            cols = op.reshape(self._im2col(x, forward, "ncrspq", extents, "im2col"),
+                              (n, taps, oh * ow))  # fmt: skip
+            products = op.matmul(op.reshape(g, (n, o, oh * ow)), op.permute_dims(cols, [0, 2, 1]))
+            return op.reshape(op.collapse_sum_to(products, (o, taps)), dw_shape)
         extents = dict(c=c, p=kh, q=kw, n=n, r=oh, s=ow)
         cols = op.reshape(self._im2col(x, conv, "cpqnrs", extents, "im2col_t"), (taps, n * oh * ow))
         g2 = op.reshape(op.permute_dims(g, [1, 0, 2, 3]), (o, n * oh * ow))
@@ -240,6 +259,13 @@ class _Params:
         self.dilation = tuple(int(v) for v in attrs.dilation)
         pad = [int(v) for v in attrs.padding]
         self.padding = tuple(pad * 4 if len(pad) == 1 else pad * 2 if len(pad) == 2 else pad)
+
+    def swapped(self) -> _Params:
+        """These parameters with strides and dilation exchanged: the forward convolution's,
+        for its weight gradient's."""
+        params = object.__new__(_Params)
+        params.strides, params.dilation, params.padding = self.dilation, self.strides, self.padding
+        return params
 
 
 def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):

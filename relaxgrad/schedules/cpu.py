@@ -292,9 +292,22 @@ def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:
 
 
 def _indexes_innermost(block: tirx.SBlock, var: tirx.Var) -> bool:
-    """Whether every buffer ``block`` reads or writes has ``var`` as its innermost index."""
-    regions = [*block.reads, *block.writes]
-    return all(r.region and r.region[-1].min.same_as(var) for r in regions)
+    """Whether every buffer ``block`` writes has ``var`` as its innermost index, and every
+    buffer it reads either that or a constant one (a value broadcast along ``var``, e.g. a
+    per-row scale in a sum over rows)."""
+
+    def innermost(region, broadcast_ok: bool) -> bool:
+        if not region.region:
+            return False
+        last = region.region[-1]
+        if last.min.same_as(var):
+            return True
+        extent = last.extent
+        return broadcast_ok and isinstance(last.min, tirx.IntImm) and int(extent) == 1
+
+    return all(innermost(r, True) for r in block.reads) and all(
+        innermost(r, False) for r in block.writes
+    )
 
 
 def _vector_lanes(target: Target, dtype) -> int:

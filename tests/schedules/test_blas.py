@@ -138,3 +138,52 @@ def test_weight_gradient_over_a_batch_is_one_gemm(x_first):
 
 def _calls_sgemm(script: str) -> bool:
     return "R.call_tir(cls.sgemm" in script and blas.SGEMM in script
+
+
+@pytest.mark.parametrize("trans_a, trans_b", list(itertools.product((False, True), repeat=2)))
+def test_summed_batch_of_products_is_one_call(trans_a, trans_b):
+    """``collapse_sum_to(matmul(a, b), (M, N))`` over 3-D operands whose ``k`` is not
+    contiguous across the batch (a convolution's weight gradient, ``g[n] @ cols[n]^T``) is one
+    call that accumulates the batch's products, transposes folded into its flags; where it is
+    contiguous (``a`` transposed, ``b`` not), one gemm over the stacked rows."""
+    batch, m, k, n = 5, 24, 40, 36
+    a_shape = (batch, k, m) if trans_a else (batch, m, k)
+    b_shape = (batch, n, k) if trans_b else (batch, k, n)
+    a = relax.Var("a", relax.TensorType(a_shape, "float32"))
+    b = relax.Var("b", relax.TensorType(b_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            lhs = bb.emit(op.permute_dims(a, [0, 2, 1])) if trans_a else a
+            rhs = bb.emit(op.permute_dims(b, [0, 2, 1])) if trans_b else b
+            out = bb.emit_output(op.collapse_sum_to(bb.emit(op.matmul(lhs, rhs)), (m, n)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    stacked = trans_a and not trans_b
+    assert ("cls.sgemm_sum" in script) != stacked and "collapse_sum_to" not in script
+    assert "permute_dims" not in script and "R.matmul" not in script
+    rng = np.random.default_rng(3)
+    av, bv = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv)).numpy()
+    lhs_v = np.swapaxes(av, 1, 2) if trans_a else av
+    rhs_v = np.swapaxes(bv, 1, 2) if trans_b else bv
+    np.testing.assert_allclose(got, (lhs_v @ rhs_v).sum(0), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("m, n", [(24, 36), (36, 24)])
+def test_summed_batch_over_threads(threads, m, n):
+    """Batches split over 1-3 tasks, the result tall or wide (computed transposed), sum to the
+    products' total."""
+    batch, k = 7, 33
+    rng = np.random.default_rng(threads)
+    a = rng.standard_normal((batch, m, k)).astype("float32")
+    b = rng.standard_normal((batch, n, k)).astype("float32")
+    func = blas._split_k_func(a.shape, b.shape, (m, n), False, True, threads, batched=True)
+    lib = tvm.compile(func.with_attr("global_symbol", "main"), target="llvm")
+    out = tvm.runtime.tensor(np.zeros((m, n), "float32"))
+    lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    want = sum(a[i] @ b[i].T for i in range(batch))
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-3)

@@ -43,17 +43,24 @@ def _run(executable, inputs):
 
 @pytest.mark.parametrize("x_shape, w_shape, conv_attrs", CASES)
 def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs):
+    """Both forms of the weight gradient (a sum over the batch on the forward's im2col, or one
+    matmul on a transposed im2col), each rewritten then built by ``tvm.compile``, and the
+    default pipeline (OpenBLAS where found), give TVM's values."""
     mod = _adjoint(x_shape, w_shape, conv_attrs)
-    rewritten = ConvToMatmul()(mod)
-    names = {gv.name_hint for gv in rewritten.get_global_vars()}
-    assert {"im2col", "im2col_t", "col2im"} <= names
-    assert "relax.nn.conv2d" not in rewritten.script()
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
-    got = _run(relaxgrad.compile(mod), inputs)
     want = _run(tvm.compile(mod, "llvm"), inputs)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+    builds = [relaxgrad.compile(mod)]
+    for summed, funcs in ((True, {"im2col", "col2im"}), (False, {"im2col", "im2col_t", "col2im"})):
+        rewritten = ConvToMatmul(summed_batches=summed)(mod)
+        assert {gv.name_hint for gv in rewritten.get_global_vars()} >= funcs
+        assert "relax.nn.conv2d" not in rewritten.script()
+        assert ("collapse_sum_to" in rewritten.script()) == summed
+        builds.append(tvm.compile(rewritten, "llvm"))
+    for executable in builds:
+        got = _run(executable, inputs)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
 def test_grouped_conv_is_left_to_legalization():
