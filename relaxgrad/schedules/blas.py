@@ -29,7 +29,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule, Op
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 from tvm.script import tirx as T
 
 from .. import _ty
@@ -218,6 +218,7 @@ class MatmulToBLAS:
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         if not available():
             return mod
+        mod = rewrite_functions(_TransposedProducts(mod), mod)
         mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
         return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
@@ -258,6 +259,70 @@ class _Rewriter(PyExprMutator):
             self.funcs[key] = self.builder_.add_func(func, "sgemm")
         out_type = relax.TensorType(out_shape, "float32")
         return relax.call_tir(self.funcs[key], [a, b], out_type)
+
+
+@visitor
+class _Uses(PyExprVisitor):
+    """How many times each var is read in a function."""
+
+    def __init__(self):
+        super().__init__()
+        self.count: dict = {}
+
+    def visit_var_(self, var: relax.Var) -> None:
+        self.count[var] = self.count.get(var, 0) + 1
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
+        self.visit_var_(var)
+
+
+@mutator
+class _TransposedProducts(PyExprMutator):
+    """``permute_dims(p)`` swapping the last two axes of a product ``p = matmul(a, b)`` read
+    only there becomes ``matmul(b^T, a^T)``, and of ``p = collapse_sum_to(matmul(a, b), (M,
+    N))`` becomes ``collapse_sum_to(matmul(b^T, a^T), (N, M))``, a transpose folded into an
+    operand's (removed or added) ``permute_dims``, which sgemm's flags take: a linear layer's
+    weight gradient, ``(x^T g)^T`` for a ``(out, in)`` weight, is computed in place, not
+    computed then transposed."""
+
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.matmul, self.permute = Op.get("relax.matmul"), Op.get("relax.permute_dims")
+        self.collapse = Op.get("relax.collapse_sum_to")
+        self.uses: dict = {}
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        uses = _Uses()
+        uses.visit_expr(func)
+        self.uses = uses.count
+        return super().visit_function_(func)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        product = call.args[0] if _is(call, self.permute) and call.args else None
+        shape = static_shape(product) if product is not None else None
+        if shape is None or len(shape) < 2 or not _swaps_last_two(call, len(shape)):
+            return super().visit_call_(call)
+        if self.uses.get(product, 0) != 1 or not _float32(product):
+            return super().visit_call_(call)
+        bound = self.lookup_binding(self.visit_expr(product))
+        summed = _is(bound, self.collapse)
+        inner = self.lookup_binding(bound.args[0]) if summed else bound
+        if not _is(inner, self.matmul) or any(static_shape(x) is None for x in inner.args):
+            return super().visit_call_(call)
+        a, b = inner.args
+        swapped = relax.op.matmul(self._transposed(b), self._transposed(a))
+        if summed:
+            return relax.op.collapse_sum_to(swapped, relax.ShapeExpr(shape[:-2] + shape[-1:-3:-1]))
+        return swapped
+
+    def _transposed(self, x: relax.Expr) -> relax.Expr:
+        """``x`` with its last two axes swapped: the operand of its ``permute_dims``, or a new
+        one."""
+        y, transposed = _untransposed(self, x)
+        if transposed:
+            return y
+        ndim = len(static_shape(x))
+        return self.builder_.emit(relax.op.permute_dims(x, [*range(ndim - 2), ndim - 1, ndim - 2]))
 
 
 @mutator

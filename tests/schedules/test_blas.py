@@ -187,3 +187,44 @@ def test_summed_batch_over_threads(threads, m, n):
     lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
     want = sum(a[i] @ b[i].T for i in range(batch))
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("summed", [True, False])
+def test_transposed_product_is_computed_in_place(summed):
+    """``permute_dims`` of a product read only there (a linear layer's ``(out, in)`` weight
+    gradient, ``(x^T g)^T`` over a batch, or a plain ``(a b)^T``) is folded into the gemm's
+    operands: no transpose is left; a product read twice keeps its transpose."""
+    shapes = [(4, 32, 48), (4, 32, 40)] if summed else [(64, 48), (48, 40)]
+    x, g = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in zip("xg", shapes))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            if summed:
+                product = bb.emit(op.matmul(bb.emit(op.permute_dims(x, [0, 2, 1])), g))
+                product = bb.emit(op.collapse_sum_to(product, (48, 40)))
+            else:
+                product = bb.emit(op.matmul(x, g))
+            out = bb.emit_output(op.permute_dims(product))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    assert _calls_sgemm(script) and "permute_dims" not in script and "transpose" not in script
+    rng = np.random.default_rng(4)
+    xv, gv = (rng.standard_normal(s).astype("float32") for s in shapes)
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(gv)).numpy()
+    want = sum(xv[i].T @ gv[i] for i in range(4)).T if summed else (xv @ gv).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_transposed_product_read_twice_keeps_its_transpose():
+    a = relax.Var("a", relax.TensorType((64, 48), "float32"))
+    b = relax.Var("b", relax.TensorType((48, 40), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            product = bb.emit(op.matmul(a, b))
+            out = bb.emit_output(op.add(op.permute_dims(product), op.sum(product)))
+        bb.emit_func_output(out)
+    script = blas.MatmulToBLAS(min_macs=0)(bb.get()).script()
+    assert script.count("R.call_tir(cls.sgemm") == 1 and "permute_dims" in script
