@@ -33,7 +33,15 @@ from tvm.ir import IRModule
 from tvm.target import Target
 
 from .errors import GradientError
-from .schedules import ConvToMatmul, FastMath, MatmulToBLAS, MeanAsSum, ScheduleCPU, ScheduleGPU
+from .schedules import (
+    ConvToMatmul,
+    DuplicateCheapProducers,
+    FastMath,
+    MatmulToBLAS,
+    MeanAsSum,
+    ScheduleCPU,
+    ScheduleGPU,
+)
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -157,7 +165,10 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU()
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
-    return _pipeline(schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline")
+    return _pipeline(
+        schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline",
+        before_fusing=[DuplicateCheapProducers()],
+    )  # fmt: skip
 
 
 def _pipeline(
@@ -166,6 +177,7 @@ def _pipeline(
     after_scheduling: list[tvm.transform.Pass],
     after_planning: list[tvm.transform.Pass],
     name: str,
+    before_fusing: list[tvm.transform.Pass] = (),
 ) -> tvm.transform.Pass:
     """Legalize, fuse, ``schedule``, then TVM's lowering and VM passes."""
     passes = [
@@ -175,6 +187,7 @@ def _pipeline(
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
+        *before_fusing,
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         schedule,

@@ -5,7 +5,9 @@
 that raises or whose schedule fails verification falls through to the next, and the choice is
 recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
 matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`)
-and means into sums that fuse with the products they reduce (:class:`MeanAsSum`);
+and means into sums that fuse with the products they reduce (:class:`MeanAsSum`); before
+fusion, cheap elementwise producers read twice are copied for each reader
+(:class:`DuplicateCheapProducers`);
 after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
 (:class:`FastMath`).
 """
@@ -13,6 +15,7 @@ after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials L
 from .blas import MatmulToBLAS
 from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
+from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .gpu import FullReduction
 from .means import MeanAsSum
@@ -20,6 +23,7 @@ from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
     "ConvToMatmul",
+    "DuplicateCheapProducers",
     "FastMath",
     "FullReduction",
     "MatmulToBLAS",

@@ -1,0 +1,118 @@
+"""Cheap elementwise producers recomputed in each consumer's kernel, a Relax rewrite between
+``AnnotateTIROpPattern`` and ``FuseOps`` (CPU).
+
+``FuseOps`` fuses a producer into its consumer only when the consumer is the producer's sole
+reader. An adjoint often reads a forward value twice: ``t = x + bias`` feeds ``relu(t)`` in the
+forward part and ``where(t < 0, 0, g)`` in the backward one, so ``t`` is written to memory and
+read back, and ``relu`` runs as a kernel of its own. :class:`DuplicateCheapProducers` gives each
+further elementwise reader its own copy of such a producer (an elementwise or broadcast
+PrimFunc with one operand of the result's size, the others smaller): each copy fuses into its
+reader, and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, tirx
+from tvm.ir import IRModule
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._common import rewrite_functions, static_shape
+
+_FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduction
+
+
+@tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
+class DuplicateCheapProducers:
+    """Copy a cheap elementwise producer for each of its elementwise readers after the first
+    (see the module docstring)."""
+
+    def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
+        return rewrite_functions(_Rewriter(mod), mod)
+
+
+def _pattern(mod: IRModule, call) -> int | None:
+    """The ``op_pattern`` of the PrimFunc ``call`` runs through ``call_tir``, else None."""
+    if not (isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
+        return None
+    func = mod[call.args[0]] if call.args[0] in mod.get_global_vars() else None
+    if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
+        return None
+    pattern = func.attrs.get("op_pattern")
+    return None if pattern is None else int(pattern)
+
+
+def _size(expr) -> int | None:
+    shape = static_shape(expr)
+    return None if shape is None else math.prod(shape)
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.mod = mod
+        self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
+        self.seen: set = set()  # producers whose first reader has been emitted
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        self.cheap, self.seen = self._cheap_producers(func), set()
+        return super().visit_function_(func)
+
+    def _cheap_producers(self, func: relax.Function) -> dict:
+        if not isinstance(func.body, relax.SeqExpr):
+            return {}
+        bindings = [b for block in func.body.blocks
+                    if isinstance(block, relax.DataflowBlock) for b in block.bindings]  # fmt: skip
+        readers: dict = {}
+        for b in bindings:
+            value = b.value
+            if _pattern(self.mod, value) is not None:
+                for arg in set(value.args[1]):  # a reader of one var twice (c * c) once
+                    readers.setdefault(arg, []).append(b)
+        read_anywhere: dict = {}  # the reads of each var by bindings (a call reads it once)
+        for b in bindings:
+            for var in relax.analysis.free_vars(b.value):
+                read_anywhere[var] = read_anywhere.get(var, 0) + 1
+        for var in relax.analysis.free_vars(func.body.body):  # the function's result
+            read_anywhere[var] = read_anywhere.get(var, 0) + 1
+        cheap = {}
+        for b in bindings:
+            pattern = _pattern(self.mod, b.value)
+            if pattern is None or pattern > 1 or not isinstance(b.var, relax.DataflowVar):
+                continue
+            size = _size(b.var)
+            args = list(b.value.args[1])
+            sizes = [_size(a) for a in args]
+            if size is None or None in sizes or sum(s == size for s in sizes) != 1:
+                continue
+            if any(s > size for s in sizes):
+                continue
+            users = readers.get(b.var, [])
+            if len(users) < 2 or read_anywhere.get(b.var, 0) != len(users):
+                continue  # read by something other than call_tir, e.g. a tuple or the output
+            patterns = [_pattern(self.mod, u.value) for u in users]
+            if all(p is not None and p <= _FUSABLE for p in patterns):
+                cheap[b.var] = b.value
+        return cheap
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if _pattern(self.mod, value) is None or not self.cheap:
+            return super().visit_var_binding_(binding)
+        args = list(value.args[1])
+        copies = {}
+        for arg in dict.fromkeys(args):  # each var once, in order
+            if arg in self.cheap:
+                if arg in self.seen:
+                    copies[arg] = self.builder_.emit(self.visit_expr(self.cheap[arg]), "dup")
+                self.seen.add(arg)
+        if not copies:
+            return super().visit_var_binding_(binding)
+        args = [copies.get(arg, arg) for arg in args]
+        operands = relax.Tuple([self.visit_expr(a) for a in args])
+        new_value = relax.Call(value.op, [value.args[0], operands, *value.args[2:]],
+                               value.attrs, value.ty_args)  # fmt: skip
+        return super().visit_var_binding_(relax.VarBinding(binding.var, new_value))

@@ -1,0 +1,91 @@
+"""DuplicateCheapProducers (relaxgrad/schedules/duplicate.py): a cheap elementwise producer
+read by two elementwise kernels (relu's input, read again by relu's gradient) is copied into
+each reader's kernel; values unchanged; producers it would cost memory to copy are kept."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+import relaxgrad
+from relaxgrad.schedules import DuplicateCheapProducers
+
+
+def _module(shapes, body) -> tvm.IRModule:
+    params = [relax.Var(f"x{i}", relax.TensorType(s, "float32")) for i, s in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _kernels(mod: tvm.IRModule, duplicate: bool) -> list[str]:
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              *([DuplicateCheapProducers()] if duplicate else []), relax.transform.FuseOps()]
+    main = tvm.transform.Sequential(passes)(mod).script().split("def main")[-1]
+    return sorted(re.findall(r"cls\.(\w+)", main))
+
+
+def _relu_and_its_gradient(bb, x, bias, g):
+    t = bb.emit(op.add(x, bias))
+    relu = bb.emit(op.nn.relu(t))
+    zero = relax.const(0.0, "float32")
+    return relax.Tuple([relu, bb.emit(op.where(op.less(t, zero), zero, g))])
+
+
+def test_relu_input_is_recomputed_in_both_kernels():
+    mod = _module([(64, 96), (96,), (64, 96)], _relu_and_its_gradient)
+    assert _kernels(mod, False) == ["add", "fused_less_where", "relu"]
+    assert _kernels(mod, True) == ["fused_add_less_where", "fused_add_relu"]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in [(64, 96), (96,), (64, 96)]]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    relu, grad = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    t = xs[0] + xs[1]
+    np.testing.assert_allclose(relu, np.maximum(t, 0), rtol=1e-6)
+    np.testing.assert_allclose(grad, np.where(t < 0, 0, xs[2]), rtol=1e-6)
+
+
+def test_producers_that_would_cost_memory_or_are_read_elsewhere_are_kept():
+    def two_large_operands(bb, x, y, g):  # copying would keep x and y instead of t
+        t = bb.emit(op.add(x, y))
+        return relax.Tuple([bb.emit(op.nn.relu(t)), bb.emit(op.multiply(t, g))])
+
+    def also_returned(bb, x, bias, g):  # t itself is an output: kept anyway
+        t = bb.emit(op.add(x, bias))
+        return relax.Tuple([t, bb.emit(op.nn.relu(t)), bb.emit(op.multiply(t, g))])
+
+    for body, shapes in ((two_large_operands, [(8, 16), (8, 16), (8, 16)]),
+                         (also_returned, [(8, 16), (16,), (8, 16)])):  # fmt: skip
+        mod = _module(shapes, body)
+        assert _kernels(mod, True) == _kernels(mod, False)
+
+
+def test_centered_input_is_recomputed_in_the_reductions_that_read_it():
+    """``c = x - mean`` read by ``sum(c * c)`` (one kernel reading ``c`` twice) and by
+    ``c * g`` (a normalization's gradient): each reader computes its own ``c``, the sum of
+    squares fuses into one kernel; values unchanged."""
+
+    def body(bb, x, m, g):
+        c = bb.emit(op.subtract(x, m))
+        return relax.Tuple([bb.emit(op.sum(op.multiply(c, c), axis=[0])),
+                            bb.emit(op.multiply(c, g))])  # fmt: skip
+
+    shapes = [(32, 48), (1, 48), (32, 48)]
+    mod = _module(shapes, body)
+    assert "subtract" in _kernels(mod, False)  # c written, then read twice
+    fused = _kernels(mod, True)
+    assert len(fused) == 2 and all(name.startswith("fused_subtract") for name in fused)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    squares, scaled = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    c = xs[0] - xs[1]
+    np.testing.assert_allclose(squares, (c * c).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(scaled, c * xs[2], rtol=1e-6)
