@@ -4,10 +4,12 @@
 ``FuseOps`` fuses a producer into its consumer only when the consumer is the producer's sole
 reader. An adjoint often reads a forward value twice: ``t = x + bias`` feeds ``relu(t)`` in the
 forward part and ``where(t < 0, 0, g)`` in the backward one, so ``t`` is written to memory and
-read back, and ``relu`` runs as a kernel of its own. :class:`DuplicateCheapProducers` gives each
-further elementwise reader its own copy of such a producer (an elementwise or broadcast
-PrimFunc with one operand of the result's size, the others smaller): each copy fuses into its
-reader, and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow.
+read back, and ``relu`` runs as a kernel of its own; a normalization's gradient reads
+``c = x - mean`` in two reductions and an elementwise kernel. :class:`DuplicateCheapProducers`
+gives each further reader (elementwise, injective or a reduction, all of which fuse their
+elementwise producers) its own copy of such a producer (an elementwise or broadcast PrimFunc
+with one operand of the result's size, the others smaller): each copy fuses into its reader,
+and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._common import rewrite_functions, static_shape
 
-_FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduction
+_FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
