@@ -14,9 +14,9 @@ and ``torch.set_num_threads``), the same model, initial weights, minibatch and o
 
 Per model it prints the median step time of each framework over ``--runs`` runs of ``--steps``
 steps (the median of each run's median, and the spread min-max of those), their ratio, and
-relaxgrad's adjoint / forward time (``main_loss_adjoint`` vs ``main_loss``). Run
-``python bench/train_step.py [--models cnn transformer] [--target llvm]``; the default target is
-this machine's CPU (``relaxgrad.pipeline.host_target()``).
+relaxgrad's adjoint / forward time (``main_loss_adjoint`` vs ``main_loss``, timed
+alternately). Run ``python bench/train_step.py [--models cnn transformer] [--target llvm]``;
+the default target is this machine's CPU (``relaxgrad.pipeline.host_target()``).
 """
 
 from __future__ import annotations
@@ -240,8 +240,22 @@ def relaxgrad_time(func, values, x, y):
     step_time = timed(lambda: trainer.step(x, y))
     args = trainer._args(x) + [trainer._to_device(y, trainer._target, "target")]
     forward, adjoint = trainer.vm["main_loss"], trainer.vm["main_loss_adjoint"]
-    ratio = timed(lambda: adjoint(*args))[0] / timed(lambda: forward(*args))[0]
-    return step_time, ratio, trainer
+    return step_time, adjoint_ratio(forward, adjoint, args), trainer
+
+
+def adjoint_ratio(forward, adjoint, args) -> float:
+    """The adjoint's median time over the forward's, the two timed alternately (one call of
+    each per round, ``ARGS.runs * ARGS.steps`` rounds) so that load from other processes falls
+    on both alike."""
+    times = {forward: [], adjoint: []}
+    for _ in range(2):
+        forward(*args), adjoint(*args)
+    for _ in range(ARGS.runs * ARGS.steps):
+        for func, spent in times.items():
+            start = time.perf_counter()
+            func(*args)
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[adjoint]) / statistics.median(times[forward])
 
 
 def fmt(t) -> str:
