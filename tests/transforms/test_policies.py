@@ -1,5 +1,6 @@
 """Checkpoint policies: exact save sets on small programs, the budget solver against an oracle."""
 
+import functools
 import inspect
 import itertools
 import random
@@ -445,15 +446,30 @@ def test_live_budget_fits_its_budget_with_less_recompute_than_sqrt():
     assert P.recompute_cost(prog, saved) <= P.recompute_cost(prog, sqrt_saved)
 
 
+@functools.lru_cache(maxsize=1)
+def _small_transformer():
+    """A 4-block transformer, its adjoint without checkpointing, inputs, and that adjoint's
+    loss and gradients (compiled), shared by the fitting tests."""
+    mod = _bench_models().transformer(4, batch=2, seq=16, dim=32, heads=2)
+    plain = relaxgrad.Gradient("main", checkpoint="none")(mod)
+    inputs = [a * 0.5 for a in random_inputs(mod["main"], seed=3)]
+    return mod, plain, inputs, _adjoint_values(plain, inputs)
+
+
+def _adjoint_values(adjoint, inputs) -> list:
+    vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
+    return [loss.numpy()] + [g.numpy() for g in grads]
+
+
 def test_live_budget_is_fitted_within_its_budget_after_tvm_lowering():
     """A ``"live"`` budget holds for TVM's planned memory of the adjoint (what the real lowering
     plans, outputs aside), though the model's own choice plans over it on this transformer;
     the fitted adjoint's gradients are no checkpointing's."""
     from relaxgrad.analysis import planned_memory_split
 
-    mod = _bench_models().transformer(4, batch=2, seq=16, dim=32, heads=2)
+    mod, plain, inputs, want = _small_transformer()
     prog = P.program_from_function(mod["main"])
-    plain = relaxgrad.Gradient("main", checkpoint="none")(mod)
     cap = int(0.7 * planned_memory_split(plain, "main_adjoint")["other"])
     policy = P.budget(cap, "live")
     unfitted = relaxgrad.Gradient("main", checkpoint=lambda p: policy(p))(mod)
@@ -463,14 +479,9 @@ def test_live_budget_is_fitted_within_its_budget_after_tvm_lowering():
     cp = [b.var.name for block in fitted["main_adjoint"].body.blocks for b in block.bindings
           if b.var.name.endswith("_cp")]
     assert cp and len(cp) == len(set(cp))  # it still recomputes, each value once
-    inputs = [tvm.runtime.tensor(a * 0.5) for a in random_inputs(mod["main"], seed=3)]
-    results = []
-    for adjoint in (plain, fitted):
-        vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
-        loss, grads = vm["main_adjoint"](*inputs)
-        results.append((loss.numpy(), [g.numpy() for g in grads]))
-    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
-    for a, b in zip(results[1][1], results[0][1]):
+    got = _adjoint_values(fitted, inputs)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1:], want[1:]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert P.budget(cap, "live")(prog) == policy(prog)  # the policy itself stays a pure function
 
@@ -479,15 +490,16 @@ def test_live_budget_falls_back_to_finer_segments_when_no_knapsack_choice_fits(m
     """When none of the knapsack's save sets plans within the budget (here: a knapsack that
     saves everything), finer sqrt segmentations are tried up to the first that fits; its
     adjoint plans within the budget and its gradients are no checkpointing's."""
-    from relaxgrad.analysis import planned_memory_split
+    from relaxgrad.analysis import planned_memory_split, replay_memory_plan
     from relaxgrad.transforms import gradient
 
-    mod = _bench_models().transformer(6, batch=2, seq=16, dim=32, heads=2)
-    plain = relaxgrad.Gradient("main", checkpoint="none")(mod)
-    everything = planned_memory_split(plain, "main_adjoint")["other"]
-    sqrt_planned = planned_memory_split(
-        relaxgrad.Gradient("main", checkpoint="sqrt")(mod), "main_adjoint")["other"]
-    cap = (sqrt_planned + everything) // 2
+    mod, plain, inputs, want = _small_transformer()
+
+    def planned(adjoint):  # TVM's plan replayed (exact; the fitted one is lowered below)
+        return replay_memory_plan(P.program_from_function(adjoint["main_adjoint"]))["other"]
+
+    sqrt_planned = planned(relaxgrad.Gradient("main", checkpoint="sqrt")(mod))
+    cap = (sqrt_planned + planned(plain)) // 2
     policy = P.budget(cap, "live")
     monkeypatch.setattr(P, "budget", lambda capacity, model: P.none)
     tried = []
@@ -497,11 +509,5 @@ def test_live_budget_falls_back_to_finer_segments_when_no_knapsack_choice_fits(m
     fitted = relaxgrad.Gradient("main", checkpoint=policy)(mod)
     assert tried and len(tried) <= len(gradient.SEGMENT_GRAINS)
     assert planned_memory_split(fitted, "main_adjoint")["other"] <= cap
-    inputs = [tvm.runtime.tensor(a * 0.5) for a in random_inputs(mod["main"], seed=4)]
-    results = []
-    for adjoint in (plain, fitted):
-        vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
-        loss, grads = vm["main_adjoint"](*inputs)
-        results.append([loss.numpy()] + [g.numpy() for g in grads])
-    for a, b in zip(results[1], results[0]):
+    for a, b in zip(_adjoint_values(fitted, inputs), want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
