@@ -23,27 +23,33 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._common import rewrite_functions, static_shape
 
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
 class DuplicateCheapProducers:
-    """Copy a cheap elementwise producer for each of its elementwise readers after the first
-    (see the module docstring)."""
+    """Copy a cheap elementwise producer for each of its readers after the first (see the
+    module docstring)."""
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         return rewrite_functions(_Rewriter(mod), mod)
 
 
-def _pattern(mod: IRModule, call) -> int | None:
+def _patterns(mod: IRModule) -> dict:
+    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
+    patterns = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs:
+            patterns[gvar] = int(func.attrs["op_pattern"])
+    return patterns
+
+
+def _pattern(patterns: dict, call) -> int | None:
     """The ``op_pattern`` of the PrimFunc ``call`` runs through ``call_tir``, else None."""
-    if not (isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
+    if not (isinstance(call, relax.Call) and call.op.same_as(_CALL_TIR)):
         return None
-    func = mod[call.args[0]] if call.args[0] in mod.get_global_vars() else None
-    if not isinstance(func, tirx.PrimFunc) or func.attrs is None:
-        return None
-    pattern = func.attrs.get("op_pattern")
-    return None if pattern is None else int(pattern)
+    return patterns.get(call.args[0])
 
 
 def _size(expr) -> int | None:
@@ -55,7 +61,7 @@ def _size(expr) -> int | None:
 class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
-        self.mod = mod
+        self.patterns = _patterns(mod)
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
 
@@ -71,7 +77,7 @@ class _Rewriter(PyExprMutator):
         readers: dict = {}
         for b in bindings:
             value = b.value
-            if _pattern(self.mod, value) is not None:
+            if _pattern(self.patterns, value) is not None:
                 for arg in set(value.args[1]):  # a reader of one var twice (c * c) once
                     readers.setdefault(arg, []).append(b)
         read_anywhere: dict = {}  # the reads of each var by bindings (a call reads it once)
@@ -82,7 +88,7 @@ class _Rewriter(PyExprMutator):
             read_anywhere[var] = read_anywhere.get(var, 0) + 1
         cheap = {}
         for b in bindings:
-            pattern = _pattern(self.mod, b.value)
+            pattern = _pattern(self.patterns, b.value)
             if pattern is None or pattern > 1 or not isinstance(b.var, relax.DataflowVar):
                 continue
             size = _size(b.var)
@@ -95,14 +101,14 @@ class _Rewriter(PyExprMutator):
             users = readers.get(b.var, [])
             if len(users) < 2 or read_anywhere.get(b.var, 0) != len(users):
                 continue  # read by something other than call_tir, e.g. a tuple or the output
-            patterns = [_pattern(self.mod, u.value) for u in users]
+            patterns = [_pattern(self.patterns, u.value) for u in users]
             if all(p is not None and p <= _FUSABLE for p in patterns):
                 cheap[b.var] = b.value
         return cheap
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if _pattern(self.mod, value) is None or not self.cheap:
+        if _pattern(self.patterns, value) is None or not self.cheap:
             return super().visit_var_binding_(binding)
         args = list(value.args[1])
         copies = {}
