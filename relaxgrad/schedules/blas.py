@@ -6,7 +6,9 @@ into ``R.call_tir`` of a small PrimFunc that calls ``cblas_sgemm`` of numpy's
 ``scipy_openblas`` (``T.call_extern``) before legalization. A ``permute_dims`` of the last two
 axes feeding the matmul becomes a transpose flag of ``sgemm``, and the gradient of a shared
 weight, ``collapse_sum_to(matmul(permute(x), g))`` over a batch, one sgemm over the stacked
-rows of ``x`` and ``g``.
+rows of ``x`` and ``g``. The backward of linear layers reading one input (an attention's q,
+k and v projections) runs on the concatenation of their output gradients: one gemm for the
+input's gradient, one for the weights' (:class:`_ConcatenatedProducts`).
 
 The batch, or else the rows of the result, are split over a ``T.parallel`` loop: the gemms run
 on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded. (Python
@@ -219,6 +221,8 @@ class MatmulToBLAS:
         if not available():
             return mod
         mod = rewrite_functions(_TransposedProducts(mod), mod)
+        mod = relax.transform.DeadCodeElimination()(mod)  # products it replaced
+        mod = rewrite_functions(_ConcatenatedProducts(mod), mod)
         mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
         return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
@@ -323,6 +327,254 @@ class _TransposedProducts(PyExprMutator):
             return y
         ndim = len(static_shape(x))
         return self.builder_.emit(relax.op.permute_dims(x, [*range(ndim - 2), ndim - 1, ndim - 2]))
+
+
+class _Column:
+    """A term ``matmul(d, w)`` of a sum and the readers of ``d``: the var bound to its bias
+    gradient ``collapse_sum_to(d, (K,))`` or None, and to its weight gradient or None, which
+    reads ``x`` as ``d^T x`` (``x_first`` False) or ``x^T d``. ``bindings``: those it
+    replaces."""
+
+    def __init__(self, term, d, w):
+        self.term, self.d, self.w = term, d, w
+        self.bias = self.weight = self.x = None
+        self.x_first = False
+        self.bindings = {term}
+
+    def kind(self) -> tuple:
+        return (self.bias is None, self.weight is None, self.x, self.x_first)
+
+
+class _Group:
+    """Linear layers' backward over one input, found by :class:`_Block`: ``total``, a sum of
+    the ``columns``' products and of ``rest``. ``dropped``: the bindings the group replaces;
+    ``last``: the last of them, where the replacement goes."""
+
+    def __init__(self, total, columns: list[_Column], rest: list, dropped: set, last):
+        self.total, self.columns, self.rest = total, columns, rest
+        self.dropped, self.last = dropped, last
+
+
+class _Block:
+    """Bindings of a dataflow block, their readers, and the groups of
+    :class:`_ConcatenatedProducts` among them. ``outside``: how often each var is read
+    outside the block's bindings."""
+
+    def __init__(self, block: relax.DataflowBlock, outside: dict):
+        self.values, self.pos, self.readers, self.outside = {}, {}, {}, outside
+        for index, binding in enumerate(block.bindings):
+            if isinstance(binding, relax.VarBinding):
+                self.values[binding.var], self.pos[binding.var] = binding.value, index
+                for var in relax.analysis.free_vars(binding.value):
+                    self.readers.setdefault(var, []).append(binding.var)
+
+    def groups(self) -> list[_Group]:
+        found, taken = [], set()
+        for total in self.values:
+            if self.bound(total, "relax.add") is None:
+                continue
+            if self.bound(self.only_reader(total), "relax.add") is not None:
+                continue  # inside a larger sum
+            group = self._group(total)
+            columns = {c.d for c in group.columns} if group is not None else set()
+            if group is not None and not (group.dropped | columns) & taken:
+                taken |= group.dropped | columns
+                found.append(group)
+        return found
+
+    def bound(self, var, name: str) -> relax.Call | None:
+        value = self.values.get(var) if isinstance(var, relax.Var) else None
+        return value if _is(value, Op.get(name)) else None
+
+    def only_reader(self, var):
+        found = self.readers.get(var, [])
+        return found[0] if len(found) == 1 and not self.outside.get(var) else None
+
+    def canonical(self, var):
+        """``var`` with the bindings of one var to another followed."""
+        while isinstance(self.values.get(var), relax.Var):
+            var = self.values[var]
+        return var
+
+    def _group(self, total) -> _Group | None:
+        terms, inner, stack = [], {total}, [total]
+        while stack:
+            for arg in self.bound(stack.pop(), "relax.add").args:
+                if self.bound(arg, "relax.add") is not None and self.only_reader(arg) is not None:
+                    inner.add(arg)
+                    stack.append(arg)
+                else:
+                    terms.append(arg)
+        shape = static_shape(total)
+        if shape is None or not _float32(total):
+            return None
+        columns = [c for c in (self._column(t, shape) for t in terms) if c is not None]
+        kinds = {}
+        for column in columns:
+            kinds.setdefault(column.kind(), []).append(column)
+        columns = max(kinds.values(), key=len, default=[])  # of one kind: one concatenation
+        if len(columns) < 2 or len({c.d for c in columns}) < len(columns):
+            return None
+        chosen = {c.term for c in columns}
+        dropped = inner.union(*(c.bindings for c in columns))
+        last = max(dropped, key=self.pos.__getitem__)
+        for var in dropped:  # what reads a replaced var must come after the replacement
+            if any(r not in dropped and self.pos[r] < self.pos[last]
+                   for r in self.readers.get(var, [])):  # fmt: skip
+                return None
+        return _Group(total, columns, [t for t in terms if t not in chosen], dropped, last)
+
+    def _column(self, term, shape: list[int]) -> _Column | None:
+        """``term``'s :class:`_Column` when it is a product ``matmul(d, w)`` (2-D ``w``, of
+        ``shape``) read only by the sum and ``d`` only by it and its gradients; else None."""
+        product = self.bound(term, "relax.matmul")
+        if product is None or self.only_reader(term) is None:
+            return None
+        d, w = product.args
+        d_shape, w_shape = static_shape(d), static_shape(w)
+        if d_shape is None or w_shape is None or len(w_shape) != 2:
+            return None
+        if d_shape[:-1] + w_shape[1:] != shape or not _float32(d, w):
+            return None
+        column = _Column(term, self.canonical(d), w)
+        names = [v for v in self.readers if self.canonical(v) == column.d]
+        if any(self.outside.get(v) for v in names):
+            return None
+        k = d_shape[-1]
+        for use in {r for v in names for r in self.readers[v] if self.canonical(r) != column.d}:
+            if use.same_as(term):
+                continue
+            if column.bias is None and _target(self.bound(use, "relax.collapse_sum_to")) == [k]:
+                column.bias = use
+                column.bindings.add(use)
+                continue
+            found = self._weight_gradient(use, column.d, k, len(d_shape))
+            if found is None or column.weight is not None:
+                return None
+            column.x, column.x_first, chain = found
+            column.weight = chain[-1]
+            column.bindings |= set(chain)
+        return column
+
+    def _weight_gradient(self, use, d, k: int, ndim: int):
+        """``(x, x_first, bindings)`` when ``use`` (a reader of a column ``d`` of width ``k``)
+        starts a weight gradient ``collapse_sum_to(matmul(permute(d), x), (k, N))`` or is the
+        product of ``collapse_sum_to(matmul(permute(x), d), (N, k))``; else None."""
+        permute = self.bound(use, "relax.permute_dims")
+        if permute is not None:  # permute(d), then its product with x
+            chain = [use, self.only_reader(use)]
+            product = self.bound(chain[1], "relax.matmul")
+            if not _swaps_last_two(permute, ndim) or product is None:
+                return None
+            if not product.args[0].same_as(use):
+                return None
+            x, x_first = product.args[1], False
+        else:  # the product of permute(x) and d
+            chain, product = [use], self.bound(use, "relax.matmul")
+            if product is None or not self.canonical(product.args[1]).same_as(d):
+                return None
+            transposed = self.bound(product.args[0], "relax.permute_dims")
+            if transposed is None or not _swaps_last_two(transposed, ndim):
+                return None
+            x, x_first = transposed.args[0], True
+        chain.append(self.only_reader(chain[-1]))
+        shape = static_shape(x)
+        if shape is None or len(shape) != ndim or static_shape(product) is None:
+            return None
+        want = [shape[-1], k] if x_first else [k, shape[-1]]
+        if static_shape(product)[:-2] != shape[:-2] or static_shape(product)[-2:] != want:
+            return None
+        if _target(self.bound(chain[-1], "relax.collapse_sum_to")) != want:
+            return None
+        return self.canonical(x), x_first, chain
+
+
+def _target(collapse: relax.Call | None) -> list[int] | None:
+    """The static shape a ``collapse_sum_to`` sums to, or None."""
+    if collapse is None or not isinstance(collapse.args[1], relax.ShapeExpr):
+        return None
+    values = collapse.args[1].values
+    return [int(v) for v in values] if all(isinstance(v, tirx.IntImm) for v in values) else None
+
+
+@mutator
+class _ConcatenatedProducts(PyExprMutator):
+    """Linear layers' backward over one input (an attention's q, k and v projections): a sum
+    ``matmul(d_1, w_1) + ... + matmul(d_n, w_n)`` (the input's gradient; 2-D ``w_i`` of one
+    width) whose ``d_i`` are read only there, in weight gradients
+    ``collapse_sum_to(matmul(permute(d_i), x), (K_i, N))`` of one ``x`` and in bias gradients
+    ``collapse_sum_to(d_i, (K_i,))``, becomes the products of ``d = concat(d_i, -1)``: one
+    matmul ``d @ concat(w_i, 0)`` for the sum, one ``d^T x`` for the weight gradients and one
+    sum for the bias gradients, sliced. Fewer, larger gemms (about 10% faster) and no adds;
+    ``d_i``'s producers (e.g. transposes) fuse into the concatenation."""
+
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.groups: dict = {}  # the last dropped var -> its group
+        self.dropped: set = set()
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        uses, inside = _Uses(), _Uses()
+        uses.visit_expr(func)
+        blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
+        for block in blocks:
+            for binding in block.bindings:
+                inside.visit_expr(binding.value)
+        outside = {v: n - inside.count.get(v, 0) for v, n in uses.count.items()}
+        for block in blocks:
+            if isinstance(block, relax.DataflowBlock):
+                for group in _Block(block, outside).groups():
+                    self.groups[group.last] = group
+                    self.dropped |= group.dropped
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var not in self.dropped:
+            return super().visit_var_binding_(binding)
+        group = self.groups.get(binding.var)
+        if group is not None:
+            self._emit(group)
+        return None
+
+    def _emit(self, group: _Group) -> None:
+        emit, first = self.builder_.emit, group.columns[0]
+        ds = [self.visit_expr(c.d) for c in group.columns]
+        widths = [static_shape(d)[-1] for d in ds]
+        offsets = [sum(widths[:i]) for i in range(len(widths))]
+        ndim = len(static_shape(ds[0]))
+        swap = [*range(ndim - 2), ndim - 1, ndim - 2]
+        d = emit(relax.op.concat(ds, axis=-1))
+        w = emit(relax.op.concat([self.visit_expr(c.w) for c in group.columns], axis=0))
+        total = relax.op.matmul(d, w)
+        for term in group.rest:
+            total = relax.op.add(emit(total), self.visit_expr(term))
+        self._bind(group.total, total)
+
+        def sliced(total, axis: int, olds: list) -> None:
+            for old, start, width in zip(olds, offsets, widths):
+                self._bind(old, relax.op.strided_slice(total, [axis], [start], [start + width]))
+
+        if first.weight is not None:
+            x = self.visit_expr(first.x)
+            if first.x_first:  # x^T d: a weight gradient per block of columns
+                product = emit(relax.op.matmul(emit(relax.op.permute_dims(x, swap)), d))
+                shape, axis = (static_shape(x)[-1], sum(widths)), 1
+            else:  # d^T x: per block of rows
+                product = emit(relax.op.matmul(emit(relax.op.permute_dims(d, swap)), x))
+                shape, axis = (sum(widths), static_shape(x)[-1]), 0
+            total = emit(relax.op.collapse_sum_to(product, shape))
+            sliced(total, axis, [c.weight for c in group.columns])
+        if first.bias is not None:
+            total = emit(relax.op.collapse_sum_to(d, (sum(widths),)))
+            sliced(total, 0, [c.bias for c in group.columns])
+
+    def _bind(self, old: relax.Var, value: relax.Expr) -> None:
+        """Emit ``value`` in place of ``old``'s binding; later reads of ``old`` read it."""
+        if isinstance(old, relax.DataflowVar):
+            new = self.builder_.emit(value, old.name)
+        else:
+            new = self.builder_.emit_output(value, old.name)
+        self.set_var_remap(old, new)
 
 
 @mutator

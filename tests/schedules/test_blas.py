@@ -228,3 +228,80 @@ def test_transposed_product_read_twice_keeps_its_transpose():
         bb.emit_func_output(out)
     script = blas.MatmulToBLAS(min_macs=0)(bb.get()).script()
     assert script.count("R.call_tir(cls.sgemm") == 1 and "permute_dims" in script
+
+
+WIDTHS = (24, 40, 16)  # of the gradients of three linear layers reading one (4, 32, 28) input
+
+
+def _layers_backward(x_first: bool, residual: bool, leak: bool) -> tvm.IRModule:
+    """The backward of three linear layers ``x @ w_i`` (an attention's q, k and v projections),
+    given their output gradients ``d_i``: the input's gradient ``sum_i d_i @ w_i^T`` (plus a
+    ``residual`` one), each weight's, ``d_i^T x`` (or ``x^T d_i`` when ``x_first``), and bias's.
+    ``leak``: ``d_2`` is also returned, so it is read elsewhere."""
+    x = relax.Var("x", relax.TensorType((4, 32, 28), "float32"))
+    r = relax.Var("r", relax.TensorType((4, 32, 20), "float32"))
+    ds = [relax.Var(f"d{i}", relax.TensorType((4, 32, k), "float32")) for i, k in enumerate(WIDTHS)]
+    ws = [relax.Var(f"w{i}", relax.TensorType((k, 20), "float32")) for i, k in enumerate(WIDTHS)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r, *ds, *ws]):
+        with bb.dataflow():
+            total = r if residual else None
+            for d, w in zip(ds, ws):
+                product = bb.emit(op.matmul(d, w))
+                total = product if total is None else bb.emit(op.add(total, product))
+            grads = []
+            for d, k in zip(ds, WIDTHS):
+                if x_first:
+                    product = op.matmul(bb.emit(op.permute_dims(x, [0, 2, 1])), d)
+                    grads.append(bb.emit(op.collapse_sum_to(bb.emit(product), (28, k))))
+                else:
+                    product = op.matmul(bb.emit(op.permute_dims(d, [0, 2, 1])), x)
+                    grads.append(bb.emit(op.collapse_sum_to(bb.emit(product), (k, 28))))
+                grads.append(bb.emit(op.collapse_sum_to(d, (k,))))
+            outputs = [total, *grads, *([ds[1]] if leak else [])]
+            out = bb.emit_output(relax.Tuple(outputs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("x_first", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_linear_layers_over_one_input_share_their_backward_gemms(x_first, residual):
+    """The products of the three gradients become products of their concatenation: one gemm
+    for the input's gradient (no add left but the residual's), one for the weights', one sum
+    for the biases', sliced; the values are numpy's."""
+    mod = _layers_backward(x_first, residual, leak=False)
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    assert script.count("R.concat(") == 2 and script.count("R.strided_slice(") == 6
+    assert script.count("R.call_tir(cls.sgemm") == 2 and script.count("R.add(") == int(residual)
+    _check_layers_backward(mod, x_first, residual, leak=False)
+
+
+def test_gradient_read_elsewhere_stays_out_of_the_concatenation():
+    """A gradient read by anything else (here returned) keeps its own products: its producer
+    would be computed, then copied into the concatenation. The other two are concatenated."""
+    mod = _layers_backward(False, False, leak=True)
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    concats = [line for line in script.splitlines() if "R.concat(" in line]
+    assert len(concats) == 2 and not any("d1" in line or "w1" in line for line in concats)
+    assert script.count("R.call_tir(cls.sgemm") == 4  # 2 of the concatenation, 2 of d1's
+    _check_layers_backward(mod, False, False, leak=True)
+
+
+def _check_layers_backward(mod, x_first: bool, residual: bool, leak: bool) -> None:
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(_shape(p)).astype("float32") for p in mod["main"].params]
+    x, r, ds, ws = inputs[0], inputs[1], inputs[2:5], inputs[5:]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = [t.numpy() for t in vm["main"](*[tvm.runtime.tensor(v) for v in inputs])]
+    want = [sum(d @ w for d, w in zip(ds, ws)) + (r if residual else 0)]
+    for d in ds:
+        weight = np.einsum("bsi,bsj->ij", x, d) if x_first else np.einsum("bsi,bsj->ij", d, x)
+        want += [weight, d.sum((0, 1))]
+    want += [ds[1]] if leak else []
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
+
+
+def _shape(var) -> list[int]:
+    return [int(d) for d in var.ty.shape]
