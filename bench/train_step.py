@@ -15,8 +15,9 @@ and ``torch.set_num_threads``), the same model, initial weights, minibatch and o
 Per model it prints the median step time of each framework over ``--runs`` runs of ``--steps``
 steps (the median of each run's median, and the spread min-max of those), their ratio, and
 relaxgrad's adjoint / forward time (``main_loss_adjoint`` vs ``main_loss``, timed
-alternately). Run ``python bench/train_step.py [--models cnn transformer] [--target llvm]``;
-the default target is this machine's CPU (``relaxgrad.pipeline.host_target()``).
+alternately; the median of the runs' ratios and their spread). Run
+``python bench/train_step.py [--models cnn transformer] [--target llvm]``; the default
+target is this machine's CPU (``relaxgrad.pipeline.host_target()``).
 """
 
 from __future__ import annotations
@@ -243,19 +244,22 @@ def relaxgrad_time(func, values, x, y):
     return step_time, adjoint_ratio(forward, adjoint, args), trainer
 
 
-def adjoint_ratio(forward, adjoint, args) -> float:
-    """The adjoint's median time over the forward's, the two timed alternately (one call of
-    each per round, ``ARGS.runs * ARGS.steps`` rounds) so that load from other processes falls
-    on both alike."""
-    times = {forward: [], adjoint: []}
+def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
+    """(median, min, max) over ``ARGS.runs`` runs of the adjoint's median time over the
+    forward's, the two timed alternately (one call of each per round, ``ARGS.steps`` rounds a
+    run) so that load from other processes falls on both alike."""
     for _ in range(2):
         forward(*args), adjoint(*args)
-    for _ in range(ARGS.runs * ARGS.steps):
-        for func, spent in times.items():
-            start = time.perf_counter()
-            func(*args)
-            spent.append(time.perf_counter() - start)
-    return statistics.median(times[adjoint]) / statistics.median(times[forward])
+    ratios = []
+    for _ in range(ARGS.runs):
+        times = {forward: [], adjoint: []}
+        for _ in range(ARGS.steps):
+            for func, spent in times.items():
+                start = time.perf_counter()
+                func(*args)
+                spent.append(time.perf_counter() - start)
+        ratios.append(statistics.median(times[adjoint]) / statistics.median(times[forward]))
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def fmt(t) -> str:
@@ -267,7 +271,7 @@ def main() -> None:
     target = host_target() if ARGS.target == "native" else ARGS.target
     print(f"threads: {ARGS.threads}, relaxgrad target: {target}, torch {torch.__version__}, "
           f"{ARGS.runs} runs x {ARGS.steps} steps, ms: median of run medians (min-max)")
-    print(f"{'model':<34} {'relaxgrad ms':>22} {'torch ms':>22} {'ratio':>6} {'adj/fwd':>7}")
+    print(f"{'model':<34} {'relaxgrad ms':>22} {'torch ms':>22} {'ratio':>6} {'adj/fwd':>17}")
     rng = np.random.default_rng(0)
     for name in ARGS.models:
         label, func, values, net, x_shape, *torch_values = build(name)
@@ -281,8 +285,9 @@ def main() -> None:
         our_loss = trainer.step(x, y)
         if not np.isclose(our_loss, their_loss, rtol=5e-2, atol=5e-3):
             print(f"  WARNING: losses differ after training: {our_loss} vs {their_loss}")
+        low_high = f"({adjoint_ratio[1]:.2f}-{adjoint_ratio[2]:.2f})"
         print(f"{label:<34} {fmt(ours):>22} {fmt(theirs):>22} {ours[0] / theirs[0]:>6.2f} "
-              f"{adjoint_ratio:>7.2f}", flush=True)  # fmt: skip
+              f"{adjoint_ratio[0]:>5.2f} {low_high:>11}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
