@@ -76,6 +76,20 @@ FLUSH_DENORMALS = platform.machine().lower() in ("x86_64", "amd64")
 _FTZ_DAZ = 0x8040  # MXCSR: flush to zero (bit 15), denormals are zero (bit 6)
 
 
+@T.macro
+def _denormals_off(csr):
+    """Keep this thread's MXCSR in ``csr[1]`` and set its FTZ and DAZ bits."""
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.stmxcsr", T.address_of(csr[1])))
+    csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+
+
+@T.macro
+def _denormals_restored(csr):
+    """Restore the MXCSR kept by :func:`_denormals_off`."""
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[1])))
+
+
 def available() -> bool:
     """Whether an OpenBLAS ``sgemm`` was found (numpy's wheels ship one)."""
     return SGEMM is not None
@@ -125,12 +139,9 @@ def gemm_func(
         b_flat = T.decl_buffer((b_size,), "float32", data=b.data)
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
         for task in T.parallel(tasks) if parallel else T.serial(tasks):
-            csr = T.decl_buffer((1,), "int32", scope="local")
-            if flush:  # denormals flushed to zero in this thread, restored after
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.stmxcsr", T.address_of(csr[0])))
-                saved = csr[0]
-                csr[0] = T.bitwise_or(saved, _FTZ_DAZ)
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+            csr = T.decl_buffer((2,), "int32", scope="local")
+            if flush:
+                _denormals_off(csr)
             i = task // chunks
             row = task % chunks * row_step
             col = task % chunks * col_step
@@ -149,8 +160,7 @@ def gemm_func(
                 )  # fmt: skip
             )
             if flush:
-                csr[0] = saved
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+                _denormals_restored(csr)
 
     return gemm
 
@@ -201,12 +211,9 @@ def _split_k_func(
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
         partial = T.decl_buffer((tasks * out_size,), "float32")
         for task in T.parallel(tasks) if tasks > 1 else T.serial(tasks):
-            csr = T.decl_buffer((1,), "int32", scope="local")
-            if flush:  # as in gemm_func
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.stmxcsr", T.address_of(csr[0])))
-                saved = csr[0]
-                csr[0] = T.bitwise_or(saved, _FTZ_DAZ)
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+            csr = T.decl_buffer((2,), "int32", scope="local")
+            if flush:
+                _denormals_off(csr)
             for step in range(per_task):
                 index = task * per_task + step
                 if index < pieces:
@@ -223,8 +230,7 @@ def _split_k_func(
                         )  # fmt: skip
                     )
             if flush:
-                csr[0] = saved
-                T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+                _denormals_restored(csr)
         for i, j in T.grid(m, n):
             total = T.float32(0)
             for task in range(tasks):
