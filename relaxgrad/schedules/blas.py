@@ -359,7 +359,7 @@ class _TransposedProducts(PyExprMutator):
         if transposed:
             return y
         ndim = len(static_shape(x))
-        return self.builder_.emit(relax.op.permute_dims(x, [*range(ndim - 2), ndim - 1, ndim - 2]))
+        return self.builder_.emit(relax.op.permute_dims(x, _last_two_swapped(ndim)))
 
 
 class _Column:
@@ -575,7 +575,7 @@ class _ConcatenatedProducts(PyExprMutator):
         widths = [static_shape(d)[-1] for d in ds]
         offsets = [sum(widths[:i]) for i in range(len(widths))]
         ndim = len(static_shape(ds[0]))
-        swap = [*range(ndim - 2), ndim - 1, ndim - 2]
+        swap = _last_two_swapped(ndim)
         d = emit(relax.op.concat(ds, axis=-1))
         w = emit(relax.op.concat([self.visit_expr(c.w) for c in group.columns], axis=0))
         total = relax.op.matmul(d, w)
@@ -696,7 +696,12 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
 def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:
     axes = permute.attrs.axes
     order = list(reversed(range(ndim))) if axes is None else [int(v) for v in axes]
-    return order == [*range(ndim - 2), ndim - 1, ndim - 2]
+    return order == _last_two_swapped(ndim)
+
+
+def _last_two_swapped(ndim: int) -> list[int]:
+    """The axes of ``permute_dims`` that swaps the last two of ``ndim``."""
+    return [*range(ndim - 2), ndim - 1, ndim - 2]
 
 
 def _is(expr, op: Op) -> bool:
