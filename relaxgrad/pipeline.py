@@ -37,6 +37,7 @@ from .schedules import (
     ConvToMatmul,
     DuplicateCheapProducers,
     FastMath,
+    FuseRowReductions,
     MatmulToBLAS,
     MeanAsSum,
     ScheduleCPU,
@@ -167,7 +168,7 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
     return _pipeline(
         schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline",
-        before_fusing=[DuplicateCheapProducers()],
+        before_fusing=[DuplicateCheapProducers(), FuseRowReductions()],
     )  # fmt: skip
 
 

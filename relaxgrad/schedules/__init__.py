@@ -19,6 +19,7 @@ from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .gpu import FullReduction
 from .means import MeanAsSum
+from .rows import FuseRowReductions, RowLocal
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
@@ -26,9 +27,11 @@ __all__ = [
     "DuplicateCheapProducers",
     "FastMath",
     "FullReduction",
+    "FuseRowReductions",
     "MatmulToBLAS",
     "MeanAsSum",
     "ParallelLoops",
+    "RowLocal",
     "ScheduleCPU",
     "ScheduleGPU",
     "TiledMatmul",

@@ -17,6 +17,7 @@ from ..errors import GradientError
 from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
+from .rows import RowLocal
 
 _log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def default_cpu_rules() -> list[ScheduleRule]:
     around each row's reduction loop, which LLVM took 2 to 5 minutes to compile for a layer
     norm gradient's ``sum(g * gamma)`` over rows of 256 (:class:`ParallelLoops` accumulates
     vector partials along the row instead)."""
-    return [TiledMatmul(), ParallelLoops()]
+    return [TiledMatmul(), RowLocal(), ParallelLoops()]
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")

@@ -1,0 +1,144 @@
+"""Row-local kernels (relaxgrad/schedules/rows.py): reductions along the innermost axes fused
+with the elementwise ops that read them (FuseRowReductions) and computed row by row in one
+parallel loop (RowLocal); gradients through them checked against PyTorch in float64."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax, tirx
+from tvm.relax import op
+
+import relaxgrad
+from relaxgrad.pipeline import host_target
+from relaxgrad.schedules import FuseRowReductions, RowLocal, ScheduleCPU
+
+SHAPE = (4, 32, 48)  # 128 rows of 48
+
+
+def _module(params, body) -> tvm.IRModule:
+    args = [relax.Var(name, relax.TensorType(shape, dtype)) for name, shape, dtype in params]
+    bb = relax.BlockBuilder()
+    with bb.function("main", args):
+        with bb.dataflow():
+            out = bb.emit_output(body(*args))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _legalized(mod: tvm.IRModule) -> tvm.IRModule:
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern()]
+    return tvm.transform.Sequential(passes)(mod)
+
+
+def _patterns(mod: tvm.IRModule) -> dict[str, int]:
+    return {
+        gvar.name_hint: int(func.attrs["op_pattern"])
+        for gvar, func in mod.functions_items()
+        if isinstance(func, tirx.PrimFunc)
+    }
+
+
+def _fused(mod: tvm.IRModule) -> tvm.IRModule:
+    passes = [FuseRowReductions(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    return tvm.transform.Sequential(passes)(_legalized(mod))
+
+
+def _kernels(mod: tvm.IRModule) -> list[str]:
+    return re.findall(r"cls\.(\w+)", mod.script().split("def main")[-1])
+
+
+def test_only_reductions_along_rows_become_injective():
+    params = [("x", SHAPE, "float32"), ("s", (2, 48), "float32")]
+    mod = _module(params, lambda x, s: relax.Tuple([
+        op.sum(x, axis=[-1], keepdims=True),  # rows: marked
+        op.max(x, axis=[2]),  # rows, dims dropped: marked
+        op.sum(x, axis=[1, 2]),  # the last two axes of 4 rows: too few rows
+        op.sum(x, axis=[0]),  # over the leading axis: a column reduction
+        op.sum(s, axis=[-1]),  # 2 rows
+    ]))  # fmt: skip
+    before = _patterns(_legalized(mod))
+    after = _patterns(FuseRowReductions()(_legalized(mod)))
+    assert set(before.values()) == {3}  # kCommReduce
+    assert after == {"sum": 2, "max": 2, "sum1": 3, "sum2": 3, "sum3": 3}
+    assert _patterns(FuseRowReductions(min_rows=2)(_legalized(mod)))["sum3"] == 2
+
+
+def _softmax_grad(g, y):
+    return op.multiply(op.subtract(g, op.sum(op.multiply(g, y), axis=[-1], keepdims=True)), y)
+
+
+def test_softmax_gradient_is_one_row_local_kernel():
+    mod = _module([("g", SHAPE, "float32"), ("y", SHAPE, "float32")], _softmax_grad)
+    fused = _fused(mod)
+    assert _kernels(fused) == ["fused_multiply_sum_subtract_multiply"]
+    func = fused["fused_multiply_sum_subtract_multiply"]
+    sch = RowLocal().apply(func, host_target(), False)
+    assert sch is not None
+    loops = [s for s in re.findall(r"for (\w+) in (T\.\w+)", sch.mod["main"].script())]
+    assert loops[0][1] == "T.parallel" and sum(kind == "T.parallel" for _, kind in loops) == 1
+    assert any(kind == "T.vectorized" for _, kind in loops)
+
+
+def test_blocks_on_other_rows_are_left_to_other_rules():
+    """Layer norm's dgamma: row sums in one kernel with the sum over the rows that reads them
+    (a column reduction), so no rows are shared."""
+
+    def body(x, mean):
+        centered = op.subtract(x, mean)
+        rstd = op.rsqrt(op.sum(op.multiply(centered, centered), axis=[-1], keepdims=True))
+        return op.sum(op.multiply(centered, rstd), axis=[0, 1])
+
+    mod = _module([("x", SHAPE, "float32"), ("mean", SHAPE[:2] + (1,), "float32")], body)
+    fused = _fused(mod)
+    (name,) = _kernels(fused)
+    assert RowLocal().apply(fused[name], host_target(), False) is None
+
+
+def _torch_grads(fn, arrays):
+    tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+    fn(*tensors).backward()
+    return [t.grad.numpy() for t in tensors]
+
+
+def _normalized(x, gamma, beta, dtype):
+    """Layer norm over the last axis, written out (TVM's kernel is float32 / float16 only)."""
+    centered = op.subtract(x, op.mean(x, axis=[-1], keepdims=True))
+    var = op.mean(op.multiply(centered, centered), axis=[-1], keepdims=True)
+    rstd = op.rsqrt(op.add(var, relax.const(1e-5, dtype)))
+    return op.add(op.multiply(op.multiply(centered, rstd), gamma), beta)
+
+
+@pytest.mark.parametrize("norm, dtype", [("written out", "float64"), ("layer_norm", "float32")])
+def test_normalization_and_softmax_gradients_match_pytorch(norm, dtype):
+    """sum(softmax(norm(x)^2) * w): the gradient's row sums run in RowLocal kernels."""
+    d = SHAPE[-1]
+    params = [("x", SHAPE, dtype), ("gamma", (d,), dtype), ("beta", (d,), dtype),
+              ("w", SHAPE, dtype)]  # fmt: skip
+
+    def body(x, gamma, beta, w):
+        if norm == "layer_norm":
+            normed = op.nn.layer_norm(x, gamma, beta, axes=[-1])
+        else:
+            normed = _normalized(x, gamma, beta, dtype)
+        return op.sum(op.multiply(op.nn.softmax(op.multiply(normed, normed), axis=-1), w))
+
+    mod = relaxgrad.Gradient("main")(_module(params, body))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, _ in params]
+    schedule = ScheduleCPU()
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
+    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
+    assert "RowLocal" in schedule.choices.values()
+
+    def reference(x, gamma, beta, w):
+        normed = torch.nn.functional.layer_norm(x, (d,), gamma, beta)
+        return (torch.softmax(normed * normed, -1) * w).sum()
+
+    rtol = 1e-10 if dtype == "float64" else 2e-4
+    for got, want in zip(grads, _torch_grads(reference, arrays)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=rtol * np.abs(want).max())
