@@ -39,6 +39,7 @@ from tvm import relax, tirx
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
 from tvm.script import tirx as T
+from tvm.script.parser.core.entry import parse
 
 from .. import _ty
 from ._common import rewrite_functions, static_shape
@@ -243,6 +244,72 @@ def _split_k_func(
     return gemm
 
 
+@T.macro
+def _head_gemm(a, b, out, index, symbol, shape, flags, leading, heads, out_batch, column):
+    """One head's product of :func:`heads_gemm_func`: matrix ``index`` of ``a`` and ``b``,
+    written at ``column + head * n`` of its batch's rows of ``out``."""
+    m, n, k = shape
+    T.evaluate(
+        T.call_extern(
+            "void", symbol, _ROW_MAJOR, flags[0], flags[1],
+            T.int64(m), T.int64(n), T.int64(k), T.float32(1),
+            T.address_of(a[index * m * k]), T.int64(leading[0]),
+            T.address_of(b[index * k * n]), T.int64(leading[1]), T.float32(0),
+            T.address_of(out[index // heads * out_batch + column + index % heads * n]),
+            T.int64(leading[2]),
+        )  # fmt: skip
+    )
+
+
+def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
+    """A PrimFunc ``(a_1, b_1, ..., a_n, b_n, out)`` that writes the batched products
+    ``p_i = op(a_i) @ op(b_i)`` of shape ``(B, H_i, S, D_i)`` with their heads side by side:
+    ``out = concat([reshape(permute_dims(p_i, [0, 2, 1, 3]), (B, S, H_i * D_i))], -1)``, each
+    head's gemm writing its columns of ``out`` (``ldc``) instead of a matrix of its own.
+    ``parts``: ``(a_shape, b_shape, trans_a, trans_b)`` of 4-D operands, op a transpose of the
+    last two axes where flagged."""
+    batch, rows, width = out_shape
+    params, matched, flat, column, start = [], [], [], 0, 0
+    extra = {"T": T, "_head_gemm": _head_gemm, "_denormals_off": _denormals_off,
+             "_denormals_restored": _denormals_restored}  # fmt: skip
+    for i, (a_shape, b_shape, trans_a, trans_b) in enumerate(parts):
+        heads, k = a_shape[1], (a_shape[2] if trans_a else a_shape[3])
+        n = b_shape[2] if trans_b else b_shape[3]
+        shape, flags = (rows, n, k), tuple(_TRANS if t else _NO_TRANS for t in (trans_a, trans_b))
+        leading = (rows if trans_a else k, k if trans_b else n, width)
+        params += [f"a{i}_handle: T.handle", f"b{i}_handle: T.handle"]
+        for name, shape_i in ((f"a{i}", a_shape), (f"b{i}", b_shape)):
+            matched.append(
+                f"    {name} = T.match_buffer({name}_handle, {tuple(shape_i)}, 'float32')"
+            )
+            flat.append(f"    {name}_flat = T.decl_buffer(({math.prod(shape_i)},), 'float32', "
+                        f"data={name}.data)")  # fmt: skip
+        extra[f"part{i}"] = (shape, flags, leading, heads, rows * width, column)
+        extra[f"range{i}"] = (start, start + batch * heads)
+        column, start = column + heads * n, start + batch * heads
+    lines = [
+        "@T.prim_func(private=True, check_well_formed=False)",
+        f"def heads({', '.join(params)}, out_handle: T.handle):",
+        '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})',
+        *matched,
+        f"    out = T.match_buffer(out_handle, {tuple(out_shape)}, 'float32')",
+        *flat,
+        f"    out_flat = T.decl_buffer(({math.prod(out_shape)},), 'float32', data=out.data)",
+        f"    for task in T.parallel({start}):",
+        "        csr = T.decl_buffer((2,), 'int32', scope='local')",
+        *(["        _denormals_off(csr)"] if FLUSH_DENORMALS else []),
+    ]
+    for i in range(len(parts)):
+        lines += [
+            f"        if range{i}[0] <= task and task < range{i}[1]:",
+            f"            _head_gemm(a{i}_flat, b{i}_flat, out_flat, task - range{i}[0], SGEMM,"
+            f" *part{i})",
+        ]
+    lines += ["        _denormals_restored(csr)"] if FLUSH_DENORMALS else []
+    extra["SGEMM"] = SGEMM
+    return parse("\n".join(lines) + "\n", extra_vars=extra)
+
+
 @tvm.transform.module_pass(opt_level=0, name="MatmulToBLAS")
 class MatmulToBLAS:
     """Rewrite large float32 matmuls into OpenBLAS calls (see the module docstring)."""
@@ -256,6 +323,9 @@ class MatmulToBLAS:
         mod = rewrite_functions(_TransposedProducts(mod), mod)
         mod = relax.transform.DeadCodeElimination()(mod)  # products it replaced
         mod = rewrite_functions(_ConcatenatedProducts(mod), mod)
+        mod = relax.transform.DeadCodeElimination()(mod)  # the products it replaced
+        mod = rewrite_functions(_MergedHeads(mod, self.min_macs), mod)
+        mod = relax.transform.DeadCodeElimination()(mod)  # the heads' products and transposes
         mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
         return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
@@ -608,6 +678,106 @@ class _ConcatenatedProducts(PyExprMutator):
         else:
             new = self.builder_.emit_output(value, old.name)
         self.set_var_remap(old, new)
+
+
+@mutator
+class _MergedHeads(PyExprMutator):
+    """Attention heads merged back into rows, ``reshape(permute_dims(p, [0, 2, 1, 3]), (B, S,
+    H * D))`` of a product ``p = matmul(a, b)`` of shape ``(B, H, S, D)`` (the attention's
+    output; in the backward, the gradients of q, k and v, concatenated along the last axis by
+    :class:`_ConcatenatedProducts`), becomes one :func:`heads_gemm_func` call whose gemms write
+    each head's columns in place: no transpose and no concatenation afterwards. Each product,
+    permute and reshape must be read only there."""
+
+    def __init__(self, mod: IRModule, min_macs: int):
+        super().__init__(mod)
+        self.min_macs = min_macs
+        self.values: dict = {}
+        self.uses: dict = {}
+        self.claimed: set = set()  # heads merged by a concatenation of them
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        uses = _Uses()
+        uses.visit_expr(func)
+        self.uses, self.values, self.claimed = uses.count, {}, set()
+        blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
+        for block in blocks:
+            for binding in block.bindings:
+                if isinstance(binding, relax.VarBinding):
+                    self.values[binding.var] = binding.value
+        for value in self.values.values():
+            if self._parts(value) is not None and _is(value, Op.get("relax.concat")):
+                self.claimed |= set(value.args[0].fields)
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        parts = None if binding.var in self.claimed else self._parts(binding.value)
+        if parts is None:
+            return super().visit_var_binding_(binding)
+        out_shape = static_shape(binding.var)
+        shapes = [(static_shape(a), static_shape(b), ta, tb) for a, b, ta, tb in parts]
+        gvar = self.builder_.add_func(heads_gemm_func(shapes, out_shape), "sgemm_heads")
+        args = [self.visit_expr(x) for a, b, _, _ in parts for x in (a, b)]
+        value = relax.call_tir(gvar, args, relax.TensorType(out_shape, "float32"))
+        if isinstance(binding.var, relax.DataflowVar):
+            new = self.builder_.emit(value, binding.var.name)
+        else:
+            new = self.builder_.emit_output(value, binding.var.name)
+        self.set_var_remap(binding.var, new)
+        return None
+
+    def _parts(self, value) -> list[tuple] | None:
+        """``[(a, b, trans_a, trans_b)]`` of the merged heads ``value`` (a merge or a
+        concatenation of merges along the last axis), else None."""
+        if _is(value, Op.get("relax.concat")):
+            shape = static_shape(value)
+            fields = value.args[0]
+            if not isinstance(fields, relax.Tuple) or shape is None or len(shape) != 3:
+                return None
+            if int(value.attrs.axis) % 3 != 2:
+                return None
+            parts = [self._merged(self._read_once(f)) for f in fields.fields]
+            return parts if parts and all(p is not None for p in parts) else None
+        part = self._merged(value)
+        return [part] if part is not None else None
+
+    def _merged(self, value) -> tuple | None:
+        """``(a, b, trans_a, trans_b)`` of ``reshape(permute_dims(matmul(op(a), op(b)), [0, 2,
+        1, 3]), (B, S, H * D))``, float32, each value read only there."""
+        if not _is(value, Op.get("relax.reshape")):
+            return None
+        permute = self._read_once(value.args[0])
+        if not _is(permute, Op.get("relax.permute_dims")) or permute.attrs.axes is None:
+            return None
+        product = self._read_once(permute.args[0])
+        if [int(v) for v in permute.attrs.axes] != [0, 2, 1, 3]:
+            return None
+        if not _is(product, Op.get("relax.matmul")) or not _float32(product, *product.args):
+            return None
+        (a, trans_a), (b, trans_b) = (self._untransposed(x) for x in product.args)
+        shapes = [static_shape(x) for x in (a, b, product.args[0], value)]
+        if any(s is None for s in shapes) or any(len(s) != 4 for s in shapes[:3]):
+            return None
+        a_shape, b_shape, op_a, out = shapes
+        if a_shape[:2] != b_shape[:2] or len(out) != 3 or out[:2] != [op_a[0], op_a[2]]:
+            return None
+        if math.prod(static_shape(product)) * op_a[3] < self.min_macs:
+            return None
+        return a, b, trans_a, trans_b
+
+    def _read_once(self, var):
+        """The value bound to ``var`` if it is read once, else None."""
+        if not isinstance(var, relax.Var) or self.uses.get(var, 0) != 1:
+            return None
+        return self.values.get(var)
+
+    def _untransposed(self, x) -> tuple:
+        bound = self.values.get(x) if isinstance(x, relax.Var) else None
+        shape = static_shape(x)
+        if shape is not None and _is(bound, Op.get("relax.permute_dims")):
+            if _swaps_last_two(bound, len(shape)):
+                return bound.args[0], True
+        return x, False
 
 
 @mutator

@@ -303,6 +303,77 @@ def _check_layers_backward(mod, x_first: bool, residual: bool, leak: bool) -> No
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
 
 
+HEADS = (2, 4, 64, 32)  # batch, heads, rows, head width: 1.2M multiply-adds per product
+
+
+def _heads_module(transposes, leak: bool = False) -> tvm.IRModule:
+    """``concat([merge(op(a_i) @ op(b_i))], -1)`` and, with one part, the merge alone; merge:
+    ``reshape(permute_dims(p, [0, 2, 1, 3]), (B, S, H * D))``, as attention's output and, in
+    its backward, the q, k and v gradients. ``leak``: the first product is returned too."""
+    batch, heads, rows, width = HEADS
+    params, merged = [], []
+    bb = relax.BlockBuilder()
+    for i, (trans_a, trans_b) in enumerate(transposes):
+        a_shape = (batch, heads, 72, rows) if trans_a else (batch, heads, rows, 72)
+        b_shape = (batch, heads, width, 72) if trans_b else (batch, heads, 72, width)
+        params += [relax.Var(f"a{i}", relax.TensorType(a_shape, "float32")),
+                   relax.Var(f"b{i}", relax.TensorType(b_shape, "float32"))]  # fmt: skip
+    with bb.function("main", params):
+        with bb.dataflow():
+            products = []
+            for i, (trans_a, trans_b) in enumerate(transposes):
+                a, b = params[2 * i : 2 * i + 2]
+                lhs = bb.emit(op.permute_dims(a, [0, 1, 3, 2])) if trans_a else a
+                rhs = bb.emit(op.permute_dims(b, [0, 1, 3, 2])) if trans_b else b
+                products.append(bb.emit(op.matmul(lhs, rhs)))
+                permuted = bb.emit(op.permute_dims(products[-1], [0, 2, 1, 3]))
+                merged.append(bb.emit(op.reshape(permuted, (batch, rows, heads * width))))
+            out = merged[0] if len(merged) == 1 else bb.emit(op.concat(merged, axis=-1))
+            outs = [out, products[0]] if leak else [out]
+            result = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(result)
+    return bb.get()
+
+
+@pytest.mark.parametrize(
+    "transposes",
+    [[(False, False)], [(True, False)], [(False, False), (True, False), (False, True)]],
+)
+def test_merged_heads_are_written_in_place(transposes):
+    mod = _heads_module(transposes)
+    script = blas.MatmulToBLAS()(mod).script()
+    assert script.count("R.call_tir(cls.sgemm_heads") == 1
+    assert "R.concat" not in script and "permute_dims" not in script and "reshape" not in script
+    _check_heads(mod, transposes, leak=False)
+
+
+def test_product_read_elsewhere_keeps_its_heads_apart():
+    """The first product is also returned: it is computed on its own and merged by a transpose,
+    the second one's heads are written in place, and the two are concatenated."""
+    transposes = [(False, False), (True, False)]
+    mod = _heads_module(transposes, leak=True)
+    script = blas.MatmulToBLAS()(mod).script()
+    assert "R.concat" in script and script.count("R.call_tir(cls.sgemm_heads") == 1
+    _check_heads(mod, transposes, leak=True)
+
+
+def _check_heads(mod, transposes, leak: bool) -> None:
+    batch, heads, rows, width = HEADS
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(_shape(p)).astype("float32") for p in mod["main"].params]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = [t.numpy() for t in vm["main"](*[tvm.runtime.tensor(v) for v in inputs])]
+    products = []
+    for i, (trans_a, trans_b) in enumerate(transposes):
+        a, b = inputs[2 * i : 2 * i + 2]
+        lhs, rhs = (np.swapaxes(x, 2, 3) if t else x for x, t in ((a, trans_a), (b, trans_b)))
+        products.append(lhs @ rhs)
+    merged = [p.transpose(0, 2, 1, 3).reshape(batch, rows, heads * width) for p in products]
+    want = [np.concatenate(merged, -1)] + ([products[0]] if leak else [])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
 def _shape(var) -> list[int]:
     return [int(d) for d in var.ty.shape]
 
