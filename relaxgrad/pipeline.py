@@ -156,7 +156,8 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
-    ``ScheduleCPU()``) as its scheduling step after fusion, and float32 ``exp``, ``tanh`` and
+    ``ScheduleCPU()``) as its scheduling step after fusion (:class:`DuplicateCheapProducers` and
+    :class:`FuseRowReductions` before ``FuseOps``), and float32 ``exp``, ``tanh`` and
     ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM

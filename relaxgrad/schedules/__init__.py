@@ -1,15 +1,15 @@
 """Schedule steps for relaxgrad.compile: a rule per PrimFunc, chosen by trying them in order.
 
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
-(:class:`TiledMatmul`, dlight's CPU rules, :class:`ParallelLoops`) share one mechanism: a rule
+(:class:`TiledMatmul`, :class:`RowLocal`, :class:`ParallelLoops`) share one mechanism: a rule
 that raises or whose schedule fails verification falls through to the next, and the choice is
 recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
 matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`)
 and means into sums that fuse with the products they reduce (:class:`MeanAsSum`); before
 fusion, cheap elementwise producers read twice are copied for each reader
-(:class:`DuplicateCheapProducers`);
-after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
-(:class:`FastMath`).
+(:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
+(:class:`FuseRowReductions`); after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid``
+become polynomials LLVM vectorizes (:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS

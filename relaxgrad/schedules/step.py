@@ -144,8 +144,9 @@ class ScheduleGPU(_ScheduleStep):
 
 
 def default_cpu_rules() -> list[ScheduleRule]:
-    """:class:`TiledMatmul`, then :class:`ParallelLoops` for everything else, reductions
-    included.
+    """:class:`TiledMatmul`, then :class:`RowLocal` (functions whose blocks share their rows, as
+    softmax's and layer norm's fused gradients), then :class:`ParallelLoops` for everything
+    else, reductions included.
 
     dlight's ``cpu.Reduction`` is left out: it computes every block under the leading spatial
     loop, so the mean over ``(N, H, W)`` of a batch norm, with its ``x - mean`` epilogue, sweeps
