@@ -9,7 +9,9 @@ read back, and ``relu`` runs as a kernel of its own; a normalization's gradient 
 gives each further reader (elementwise, injective or a reduction, all of which fuse their
 elementwise producers) its own copy of such a producer (an elementwise or broadcast PrimFunc
 with one operand of the result's size, the others smaller): each copy fuses into its reader,
-and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow.
+and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow. A copy reads
+its producer's operands, so one of them that is itself such a producer gains a reader; rounds
+repeat until none is copied (batch norm's gradient: ``c * rstd`` copied, then ``c``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,19 @@ class DuplicateCheapProducers:
     """Copy a cheap elementwise producer for each of its readers after the first (see the
     module docstring)."""
 
+    def __init__(self, max_rounds: int = 4):
+        self.max_rounds = max_rounds
+
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return rewrite_functions(_Rewriter(mod), mod)
+        # A copy reads its producer's operands: when one of them is itself a cheap producer, it
+        # has a reader more, which the next round gives a copy of its own (``c = x - mean``
+        # read by the copies of ``c * rstd`` in a batch norm's gradient).
+        for _ in range(self.max_rounds):
+            rewriter = _Rewriter(mod)
+            mod = rewrite_functions(rewriter, mod)
+            if not rewriter.copies:
+                break
+        return mod
 
 
 def _patterns(mod: IRModule) -> dict:
@@ -64,6 +77,7 @@ class _Rewriter(PyExprMutator):
         self.patterns = _patterns(mod)
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
+        self.copies = 0
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         self.cheap, self.seen = self._cheap_producers(func), set()
@@ -116,6 +130,7 @@ class _Rewriter(PyExprMutator):
             if arg in self.cheap:
                 if arg in self.seen:
                     copies[arg] = self.builder_.emit(self.visit_expr(self.cheap[arg]), "dup")
+                    self.copies += 1
                 self.seen.add(arg)
         if not copies:
             return super().visit_var_binding_(binding)

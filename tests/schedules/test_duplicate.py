@@ -25,9 +25,10 @@ def _module(shapes, body) -> tvm.IRModule:
     return bb.get()
 
 
-def _kernels(mod: tvm.IRModule, duplicate: bool) -> list[str]:
-    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
-              *([DuplicateCheapProducers()] if duplicate else []), relax.transform.FuseOps()]
+def _kernels(mod: tvm.IRModule, duplicate: bool, rounds: int = 4) -> list[str]:
+    copies = [DuplicateCheapProducers(max_rounds=rounds)] if duplicate else []
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), *copies,
+              relax.transform.FuseOps()]  # fmt: skip
     main = tvm.transform.Sequential(passes)(mod).script().split("def main")[-1]
     return sorted(re.findall(r"cls\.(\w+)", main))
 
@@ -89,3 +90,30 @@ def test_centered_input_is_recomputed_in_the_reductions_that_read_it():
     c = xs[0] - xs[1]
     np.testing.assert_allclose(squares, (c * c).sum(0), rtol=1e-5)
     np.testing.assert_allclose(scaled, c * xs[2], rtol=1e-6)
+
+
+def test_a_copy_reading_a_cheap_producer_gets_its_own_copy_too():
+    """Batch norm's gradient: ``t = c * s``, ``c = x - mean``, with ``t`` read by a sum and an
+    elementwise kernel and ``c`` by ``t`` and a sum of squares. The copy of ``t`` reads ``c``,
+    one reader more than there was; a second round copies ``c`` into it, so that no kernel
+    writes ``c`` or ``t``; values unchanged."""
+
+    def body(bb, x, m, s, g):
+        c = bb.emit(op.subtract(x, m))
+        t = bb.emit(op.multiply(c, s))
+        return relax.Tuple([bb.emit(op.sum(op.multiply(c, c), axis=[0])),
+                            bb.emit(op.sum(t, axis=[0])), bb.emit(op.multiply(t, g))])  # fmt: skip
+
+    shapes = [(32, 48), (1, 48), (1, 48), (32, 48)]
+    mod = _module(shapes, body)
+    assert "subtract" in _kernels(mod, True, rounds=1)  # c written, then read by two kernels
+    fused = _kernels(mod, True)
+    assert len(fused) == 3 and all(name.startswith("fused_subtract") for name in fused)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    squares, total, scaled = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    c = xs[0] - xs[1]
+    np.testing.assert_allclose(squares, (c * c).sum(0), rtol=1e-5)
+    np.testing.assert_allclose(total, (c * xs[2]).sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(scaled, c * xs[2] * xs[3], rtol=1e-5)
