@@ -16,7 +16,8 @@ and a plain ``R.matmul``, which the matmul schedule or BLAS then runs:
 Other convolutions (grouped, 1-D/3-D, other layouts) are left to legalization. The same pass
 rewrites the gradient of a max pooling whose windows tile the input (``max_pool2d_backward``
 with stride = window, as in a CNN's 2x2 pools): each window's argmax once, then one gather,
-instead of TVM's recomputation of every window an input element could be in.
+instead of TVM's recomputation of every window an input element could be in; where ``relu``'s
+gradient, ``where(t < 0, 0, dx)``, is its only reader, the gather applies the mask too.
 """
 
 from __future__ import annotations
@@ -60,10 +61,32 @@ class _Rewriter(PyExprMutator):
         self.conv2d_transpose = Op.get("relax.nn.conv2d_transpose")
         self.max_pool_backward = Op.get("relax.grad.max_pool2d_backward")
 
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        self.masks, self.masked = _relu_masks(func, self.max_pool_backward), {}
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        """A max-pool gradient read only by ``relu``'s gradient, ``where(t < 0, 0, dx)``, is
+        computed with the mask (one kernel, no masked copy); the ``where`` reads it as is."""
+        if binding.var in self.masks:
+            call, mask = binding.value, self.masks[binding.var]
+            args = [self.visit_expr(arg) for arg in call.args]
+            value = self._max_pool_backward(relax.Call(call.op, args, call.attrs), mask)
+            if value is not None:
+                self.masked[binding.var] = self.builder_.emit(value, binding.var.name)
+                self.set_var_remap(binding.var, self.masked[binding.var])
+                return None
+        value = binding.value
+        if _is(value, Op.get("relax.where")) and value.args[2] in self.masked:
+            self.set_var_remap(binding.var, self.masked[value.args[2]])
+            return None
+        return super().visit_var_binding_(binding)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op.same_as(self.max_pool_backward):
-            return self._max_pool_backward(call)
+            result = self._max_pool_backward(call)
+            return call if result is None else result
         if not any(call.op.same_as(conv) for conv in (self.conv2d, self.conv2d_transpose)):
             return call
         x, w = call.args
@@ -85,11 +108,13 @@ class _Rewriter(PyExprMutator):
             return self._data_grad(x, w, conv, *shapes)
         return call
 
-    def _max_pool_backward(self, call: relax.Call) -> relax.Expr:
+    def _max_pool_backward(self, call: relax.Call, mask=None) -> relax.Expr | None:
         """``dx`` of a max pooling whose windows tile the input (NCHW, stride = window, no
         padding or dilation): ``g`` of the window where ``x`` is the window's first maximum
         in raster order (TVM's tie rule), else 0. TVM's legalization instead sums, per input
-        element, over every window that could hold it, recomputing each window's argmax."""
+        element, over every window that could hold it, recomputing each window's argmax.
+        ``mask``: ``t`` of ``where(t < 0, 0, dx)`` (``relu``'s gradient), applied in the same
+        kernel where the windows tile the input exactly (None is returned otherwise)."""
         g, x = call.args
         attrs = call.attrs
         (kh, kw), shapes = (int(v) for v in attrs.pool_size), [static_shape(t) for t in (g, x)]
@@ -102,7 +127,7 @@ class _Rewriter(PyExprMutator):
             or any(int(v) != 1 for v in attrs.dilation)
             or bool(attrs.ceil_mode)
         ):
-            return call
+            return None
         gh, gw = shapes[0][2:]
 
         def argmax(data):  # the window's first maximum, as ty * kw + tx
@@ -126,22 +151,30 @@ class _Rewriter(PyExprMutator):
 
             return te.compute(shapes[1], value, name="max_unpool")
 
-        def unpool_windows(grad, index):  # (N, C, GH, KH, GW, KW): x's shape, windows apart
+        def unpool_windows(grad, index, *masks):  # (N, C, GH, KH, GW, KW): x's shape
             def value(b, ci, oy, ty, ox, tx):
                 # g where the window's argmax is this tap, else 0, as a bit mask: a select (or
                 # a product, wrong for an infinite g) ran 5-10x slower.
-                hit = (index[b, ci, oy, ox] == ty * kw + tx).astype("int32")
+                hit = index[b, ci, oy, ox] == ty * kw + tx
+                for t in masks:  # relu's gradient: 0 where t < 0
+                    hit = tirx.all(hit, tirx.Not(t[b, ci, oy * kh + ty, ox * kw + tx] < 0))
+                hit = hit.astype("int32")
                 bits = tirx.reinterpret("int32", grad[b, ci, oy, ox])
                 return tirx.reinterpret(grad.dtype, bits & (tirx.const(0, "int32") - hit))
 
             n, c = shapes[0][:2]
             return te.compute((n, c, gh, kh, gw, kw), value, name="max_unpool")
 
+        exact = shapes[1][2:] == [gh * kh, gw * kw] and _ty.dtype_of(g) == "float32"
+        if mask is not None and not exact:
+            return None
         index = self._emit_te(argmax, [x], "window_argmax", vectorize=False)
-        if shapes[1][2:] == [gh * kh, gw * kw] and _ty.dtype_of(g) == "float32":
+        if exact:
             # No rows or columns left out of the windows. Left to LLVM (vectorized by us, it
             # ran 2x slower).
-            windows = self._emit_te(unpool_windows, [g, index], "max_unpool", vectorize=False)
+            masks = [] if mask is None else [self.visit_expr(mask)]
+            windows = self._emit_te(unpool_windows, [g, index, *masks], "max_unpool",
+                                    vectorize=False)  # fmt: skip
             return op.reshape(windows, shapes[1])
         return self._emit_te(unpool, [g, index], "max_unpool")
 
@@ -277,3 +310,46 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
     value = data[b, ci, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0)]
     # The read is clamped in bounds, so a select (vectorizable), not if_then_else (a branch).
     return tirx.Select(inside, value, tirx.const(0, data.dtype))
+
+
+def _is(expr, operator: Op) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(operator)
+
+
+def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:
+    """``{p: t}`` for each max-pool gradient ``p`` read only by ``where(less(t, 0), 0, p)``
+    (``relu``'s gradient, zeros as scalar constants, bound to a dataflow var), ``t`` a
+    parameter or bound before ``p``, in a dataflow block of ``func``."""
+    if not isinstance(func.body, relax.SeqExpr):
+        return {}
+    bindings = [b for block in func.body.blocks for b in block.bindings
+                if isinstance(b, relax.VarBinding)]  # fmt: skip
+    values = {b.var: b.value for b in bindings}
+    position = {b.var: i for i, b in enumerate(bindings)}
+    reads: dict = {}
+    for value in [*values.values(), func.body.body]:
+        for var in relax.analysis.free_vars(value):
+            reads[var] = reads.get(var, 0) + 1
+    masks = {}
+    for binding in bindings:
+        value = binding.value
+        if not (isinstance(binding.var, relax.DataflowVar) and _is(value, Op.get("relax.where"))):
+            continue
+        cond, zero, p = value.args
+        cond = values.get(cond, cond)
+        if not (_is(cond, Op.get("relax.less")) and _is_zero(cond.args[1]) and _is_zero(zero)):
+            continue
+        t = cond.args[0]
+        if not (reads.get(p) == 1 and _is(values.get(p), max_pool_backward)):
+            continue
+        if static_shape(t) == static_shape(p) and position.get(t, -1) < position[p]:
+            masks[p] = t
+    return masks
+
+
+def _is_zero(expr) -> bool:
+    return (
+        isinstance(expr, _ty.Constant)
+        and expr.value.numpy().size == 1
+        and float(expr.value.numpy().reshape(())) == 0.0
+    )
