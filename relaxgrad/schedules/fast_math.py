@@ -24,6 +24,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir import Op
 
+from ._common import with_functions
+
 _LOG2E = 1.44269504088896341
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 _POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
@@ -124,6 +126,4 @@ class FastMath:
                 body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite))
                 if not body.same_as(func.body):
                     updates[gvar] = func.with_body(body)
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
+        return with_functions(mod, updates)

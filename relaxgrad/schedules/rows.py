@@ -27,6 +27,7 @@ from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
+from ._common import with_functions
 from .cpu import _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -52,12 +53,7 @@ class FuseRowReductions:
             and int(func.attrs.get("op_pattern", -1)) == _COMM_REDUCE
             and _reduces_rows(func, self.min_rows)
         }
-        if not updates:
-            return mod
-        mod = mod.clone()  # leave the caller's module as it was
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
+        return with_functions(mod, updates)
 
 
 def _blocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:

@@ -14,7 +14,7 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
 
 from ..errors import GradientError
-from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled
+from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled, with_functions
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
 from .rows import RowLocal
@@ -63,12 +63,7 @@ class _ScheduleStep:
                 scheduled = self._schedule(gvar.name_hint, func, target)
                 if scheduled is not None:
                     updates[gvar] = scheduled
-        if not updates:
-            return mod
-        mod = mod.clone()  # leave the caller's module as it was
-        for gvar, func in updates.items():
-            mod[gvar] = func
-        return mod
+        return with_functions(mod, updates)
 
     def _schedule(self, name: str, func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         tried = []
