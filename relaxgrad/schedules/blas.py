@@ -754,7 +754,7 @@ class _MergedHeads(PyExprMutator):
             return None
         if not _is(product, Op.get("relax.matmul")) or not _float32(product, *product.args):
             return None
-        (a, trans_a), (b, trans_b) = (self._untransposed(x) for x in product.args)
+        (a, trans_a), (b, trans_b) = (_untransposed(self, x) for x in product.args)
         shapes = [static_shape(x) for x in (a, b, product.args[0], value)]
         if any(s is None for s in shapes) or any(len(s) != 4 for s in shapes[:3]):
             return None
@@ -770,14 +770,6 @@ class _MergedHeads(PyExprMutator):
         if not isinstance(var, relax.Var) or self.uses.get(var, 0) != 1:
             return None
         return self.values.get(var)
-
-    def _untransposed(self, x) -> tuple:
-        bound = self.values.get(x) if isinstance(x, relax.Var) else None
-        shape = static_shape(x)
-        if shape is not None and _is(bound, Op.get("relax.permute_dims")):
-            if _swaps_last_two(bound, len(shape)):
-                return bound.args[0], True
-        return x, False
 
 
 @mutator

@@ -31,6 +31,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .. import _ty
 from . import blas
 from ._common import rewrite_functions, static_shape
+from .blas import _is
 
 _OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter unfused
 
@@ -310,10 +311,6 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
     value = data[b, ci, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0)]
     # The read is clamped in bounds, so a select (vectorizable), not if_then_else (a branch).
     return tirx.Select(inside, value, tirx.const(0, data.dtype))
-
-
-def _is(expr, operator: Op) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(operator)
 
 
 def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:
