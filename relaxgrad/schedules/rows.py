@@ -119,7 +119,7 @@ class RowLocal(ScheduleRule):
 
     def _schedule(self, sch: s_tir.Schedule, infos, depth: int, target: Target) -> None:
         # 1. Reductions along the row into vector partials (each still in its own loop nest).
-        order = []  # (block, per-row iterations, partials or None), producers first
+        order = []  # (block, iterations per row, vector lanes if elementwise), producers first
         for info in infos:
             block = sch.get(info.block_rv)
             lanes = _vector_lanes(target, block.writes[0].source.dtype)
