@@ -41,17 +41,6 @@ def rewrite_functions(mutator, mod: IRModule) -> IRModule:
     return mutator.builder_.get()
 
 
-def with_functions(mod: IRModule, updates: dict) -> IRModule:
-    """A copy of ``mod`` with the functions in ``updates`` (GlobalVar -> function) replaced;
-    ``mod`` itself when there are none. The caller's module is left as it was."""
-    if not updates:
-        return mod
-    mod = mod.clone()
-    for gvar, func in updates.items():
-        mod[gvar] = func
-    return mod
-
-
 def static_shape(expr) -> list[int] | None:
     """The shape of a tensor expr as ints; None unless it is a tensor of static shape."""
     if not _ty.is_tensor(expr) or _ty.shape_of(expr) is None:

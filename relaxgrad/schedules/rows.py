@@ -27,7 +27,7 @@ from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
-from ._common import with_functions
+from .._modules import with_functions
 from .cpu import _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")

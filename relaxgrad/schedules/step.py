@@ -13,8 +13,9 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
 
+from .._modules import with_functions
 from ..errors import GradientError
-from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled, with_functions
+from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
 from .rows import RowLocal

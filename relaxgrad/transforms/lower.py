@@ -8,6 +8,7 @@ from tvm import relax
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .._modules import with_functions
 from .exprs import is_op
 
 __all__ = ["LowerCallTIRWithGrad", "lower_call_tir_with_grad"]
@@ -49,9 +50,4 @@ class LowerCallTIRWithGrad:
             for gv, func in mod.functions_items()
             if isinstance(func, relax.Function) and _uses_call_tir_with_grad(func)
         }
-        if not updates:
-            return mod
-        new_mod = mod.clone()
-        for gv, func in updates.items():
-            new_mod[gv] = func
-        return new_mod
+        return with_functions(mod, updates)

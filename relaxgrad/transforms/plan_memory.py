@@ -27,6 +27,8 @@ import tvm
 from tvm import relax
 from tvm.ir import IRModule, Op
 
+from .._modules import with_functions
+
 __all__ = ["PlanBlockMemory", "escaping_storages"]
 
 _ALLOC_STORAGE = "relax.memory.alloc_storage"
@@ -166,9 +168,4 @@ class PlanBlockMemory:
                 fixed = mod[gvar.name_hint]
             if not fixed.same_as(func):
                 fixes[gvar] = fixed
-        if not fixes:
-            return planned
-        planned = planned.clone()
-        for gvar, func in fixes.items():
-            planned[gvar] = func
-        return planned
+        return with_functions(planned, fixes)
