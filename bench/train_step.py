@@ -12,10 +12,15 @@ and ``torch.set_num_threads``), the same model, initial weights, minibatch and o
   dropout; PyTorch's ``nn.TransformerEncoderLayer``) on sequences of 128, mean-pooled into a
   dense head, batch 16.
 
-Per model it prints the median step time of each framework over ``--runs`` runs of ``--steps``
-steps (the median of each run's median, and the spread min-max of those), their ratio, and
-relaxgrad's adjoint / forward time (``main_loss_adjoint`` vs ``main_loss``, timed
-alternately; the median of the runs' ratios and their spread). Run
+The two frameworks' runs alternate (a PyTorch run of ``--steps`` steps, a pause, a relaxgrad
+run, a pause, ``--runs`` times), so that load from other jobs on the machine falls on both
+alike. Per model it prints each framework's median step time (the median of its run medians,
+and their spread min-max), the ratio relaxgrad / PyTorch (the median of the paired runs'
+ratios, and their spread), and relaxgrad's adjoint / forward time (``main_loss_adjoint`` vs
+``main_loss``, timed alternately; the median of the runs' ratios and their spread). Both run
+with denormals flushed to zero (relaxgrad's gemms flush them; ``torch.set_flush_denormal``):
+trained on one minibatch, a model's gradients reach denormals, on which the CPU slows down
+several times (PyTorch's MLP step from about 40 to 220 ms after some 40 steps). Run
 ``python bench/train_step.py [--models cnn transformer] [--target llvm]``; the default
 target is this machine's CPU (``relaxgrad.pipeline.host_target()``).
 """
@@ -23,6 +28,7 @@ target is this machine's CPU (``relaxgrad.pipeline.host_target()``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -57,6 +63,7 @@ from relaxgrad.pipeline import host_target  # noqa: E402
 from relaxgrad.training import Adam, CrossEntropyLoss, Trainer  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
+torch.set_flush_denormal(True)
 
 
 class Builder:
@@ -201,22 +208,36 @@ def build(name: str):
     return ("transformer block s128 d256, b 16", *transformer())
 
 
-def timed(step) -> tuple[float, float, float]:
-    """(median, min, max) over ``ARGS.runs`` runs of each run's median step time."""
-    for _ in range(2):
+PAUSE_S = 0.2
+"""Pause after each run: the thread pools of the framework that ran stop spinning."""
+
+
+def run_median(step) -> float:
+    """The median time of ``ARGS.steps`` calls of ``step``, then a pause."""
+    times = []
+    for _ in range(ARGS.steps):
+        start = time.perf_counter()
         step()
-    medians = []
+        times.append(time.perf_counter() - start)
+    time.sleep(PAUSE_S)
+    return statistics.median(times)
+
+
+def paired_times(ours, theirs) -> tuple[tuple, tuple, tuple]:
+    """``(median, min, max)`` of our run medians, of theirs and of the paired runs' ratios
+    (ours / theirs), over ``ARGS.runs`` runs of each, alternating (theirs first)."""
+    for step in (theirs, ours):
+        step(), step()
+        time.sleep(PAUSE_S)
+    pairs = []
     for _ in range(ARGS.runs):
-        times = []
-        for _ in range(ARGS.steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
-    return statistics.median(medians), min(medians), max(medians)
+        their_time = run_median(theirs)
+        pairs.append((run_median(ours), their_time))
+    spread = [[p[0] for p in pairs], [p[1] for p in pairs], [p[0] / p[1] for p in pairs]]
+    return tuple((statistics.median(v), min(v), max(v)) for v in spread)
 
 
-def torch_time(net, values, x, y):
+def torch_step(net, values, x, y):
     state = {k: torch.from_numpy(v) for k, v in values.items()}
     missing = set(net.state_dict()) - set(state)
     assert all("running" in k or "batches" in k for k in missing), missing
@@ -232,16 +253,12 @@ def torch_time(net, values, x, y):
         opt.step()
         return float(loss.detach())
 
-    return timed(step), step()
+    return step
 
 
-def relaxgrad_time(func, values, x, y):
+def relaxgrad_trainer(func, values):
     target = host_target() if ARGS.target == "native" else ARGS.target
-    trainer = Trainer(func, values, CrossEntropyLoss(), Adam(1e-3), target=target)
-    step_time = timed(lambda: trainer.step(x, y))
-    args = trainer._args(x) + [trainer._to_device(y, trainer._target, "target")]
-    forward, adjoint = trainer.vm["main_loss"], trainer.vm["main_loss_adjoint"]
-    return step_time, adjoint_ratio(forward, adjoint, args), trainer
+    return Trainer(func, values, CrossEntropyLoss(), Adam(1e-3), target=target)
 
 
 def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
@@ -262,32 +279,33 @@ def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def fmt(t) -> str:
-    median, low, high = (v * 1e3 for v in t)
-    return f"{median:8.2f} ({low:.2f}-{high:.2f})"
+def fmt(t, scale=1e3, digits=2) -> str:
+    median, low, high = (v * scale for v in t)
+    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def main() -> None:
     target = host_target() if ARGS.target == "native" else ARGS.target
     print(f"threads: {ARGS.threads}, relaxgrad target: {target}, torch {torch.__version__}, "
-          f"{ARGS.runs} runs x {ARGS.steps} steps, ms: median of run medians (min-max)")
-    print(f"{'model':<34} {'relaxgrad ms':>22} {'torch ms':>22} {'ratio':>6} {'adj/fwd':>17}")
+          f"{ARGS.runs} paired runs x {ARGS.steps} steps, ms: median of run medians (min-max)")
+    print(f"{'model':<34} {'relaxgrad ms':>20} {'torch ms':>20} {'ratio':>17} {'adj/fwd':>17}")
     rng = np.random.default_rng(0)
     for name in ARGS.models:
         label, func, values, net, x_shape, *torch_values = build(name)
         torch_values = torch_values[0] if torch_values else values
         x = rng.standard_normal(x_shape).astype("float32")
         y = rng.integers(0, 10, x_shape[0]).astype("int64")
-        # PyTorch first: TVM's thread pool keeps spinning after its kernels and slows it down.
-        theirs, their_loss = torch_time(net, torch_values, x, y)
-        ours, adjoint_ratio, trainer = relaxgrad_time(func, values, x, y)
+        theirs = torch_step(net, torch_values, x, y)
+        trainer = relaxgrad_trainer(func, values)
+        ours, their_times, ratio = paired_times(functools.partial(trainer.step, x, y), theirs)
         # Both trained the same number of steps from the same weights: the losses agree.
-        our_loss = trainer.step(x, y)
+        our_loss, their_loss = trainer.step(x, y), theirs()
         if not np.isclose(our_loss, their_loss, rtol=5e-2, atol=5e-3):
             print(f"  WARNING: losses differ after training: {our_loss} vs {their_loss}")
-        low_high = f"({adjoint_ratio[1]:.2f}-{adjoint_ratio[2]:.2f})"
-        print(f"{label:<34} {fmt(ours):>22} {fmt(theirs):>22} {ours[0] / theirs[0]:>6.2f} "
-              f"{adjoint_ratio[0]:>5.2f} {low_high:>11}", flush=True)  # fmt: skip
+        args = trainer._args(x) + [trainer._to_device(y, trainer._target, "target")]
+        adj = adjoint_ratio(trainer.vm["main_loss"], trainer.vm["main_loss_adjoint"], args)
+        print(f"{label:<34} {fmt(ours):>20} {fmt(their_times):>20} {fmt(ratio, 1):>17} "
+              f"{fmt(adj, 1):>17}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
