@@ -176,10 +176,7 @@ class ParallelLoops(ScheduleRule):
         self.parallel_elements = parallel_elements
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+        sch, infos = _cpu_blocks(func, target)
         if not infos:
             return None
         for info in infos:
@@ -308,6 +305,15 @@ def _indexes_innermost(block: tirx.SBlock, var: tirx.Var) -> bool:
     return all(innermost(r, True) for r in block.reads) and all(
         innermost(r, False) for r in block.writes
     )
+
+
+def _cpu_blocks(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule | None, list]:
+    """A schedule of ``func`` and its blocks' infos after inlining the spatial ones (dlight's
+    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target)."""
+    if target.kind.name != "llvm":
+        return None, []
+    sch = s_tir.Schedule(func)
+    return sch, try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
 
 
 def _vector_lanes(target: Target, dtype) -> int:

@@ -22,13 +22,13 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import IRModule
-from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func, try_inline_contiguous_spatial
+from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._modules import with_functions
-from .cpu import _static_product, _tile, _vector_lanes
+from .cpu import _cpu_blocks, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 _COMM_REDUCE, _INJECTIVE = 3, 2  # relax's OpPatternKind
@@ -101,11 +101,8 @@ class RowLocal(ScheduleRule):
         self.min_rows = min_rows
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
-        if not infos or len(infos) < 2 or all(info.is_injective() for info in infos):
+        sch, infos = _cpu_blocks(func, target)
+        if len(infos) < 2 or all(info.is_injective() for info in infos):
             return None
         blocks = [sch.get(info.block_rv) for info in infos]
         rows = _shared_rows(blocks)
