@@ -279,9 +279,9 @@ def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def fmt(t, scale=1e3, digits=2) -> str:
+def fmt(t, scale=1e3) -> str:
     median, low, high = (v * scale for v in t)
-    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+    return f"{median:.2f} ({low:.2f}-{high:.2f})"
 
 
 def main() -> None:
