@@ -18,6 +18,8 @@ them: softmax's gradient was two kernels, layer norm's nine. Two steps fix that:
 
 from __future__ import annotations
 
+import itertools
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -28,7 +30,7 @@ from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._modules import with_functions
-from .cpu import _cpu_blocks, _static_product, _tile, _vector_lanes
+from .cpu import _cpu_blocks, _is_one, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 _COMM_REDUCE, _INJECTIVE = 3, 2  # relax's OpPatternKind
@@ -73,9 +75,8 @@ def _reduces_rows(func: tirx.PrimFunc, min_rows: int) -> bool:
     if len(blocks) != 1 or len(blocks[0].reads) != 1 or len(blocks[0].writes) != 1:
         return False
     iters = list(blocks[0].iter_vars)
-    kinds = [int(i.iter_type) for i in iters]
-    spatial = len(kinds) - len([k for k in kinds if k != _SPATIAL])
-    if kinds != [_SPATIAL] * spatial + [_REDUCE] * (len(kinds) - spatial) or spatial == len(kinds):
+    spatial = _spatial_prefix(blocks[0])
+    if spatial == len(iters) or any(int(i.iter_type) != _REDUCE for i in iters[spatial:]):
         return False
     rows = [i for i in iters[:spatial] if not _is_one(i.dom.extent)]
     indices = [r.min for r in blocks[0].reads[0].region]
@@ -85,10 +86,6 @@ def _reduces_rows(func: tirx.PrimFunc, min_rows: int) -> bool:
         and all(x.same_as(v) for x, v in zip(indices, wanted))
         and _static_product([i.dom.extent for i in rows]) >= min_rows
     )
-
-
-def _is_one(extent) -> bool:
-    return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
 class RowLocal(ScheduleRule):
@@ -180,12 +177,7 @@ def _shared_rows(blocks: list[s_tir.SBlock]) -> list[int] | None:
 
 def _leading(flags) -> int:
     """How many of ``flags`` are true before the first false one."""
-    count = 0
-    for flag in flags:
-        if not flag:
-            break
-        count += 1
-    return count
+    return sum(1 for _ in itertools.takewhile(bool, flags))
 
 
 def _spatial_prefix(block: s_tir.SBlock) -> int:
@@ -194,15 +186,11 @@ def _spatial_prefix(block: s_tir.SBlock) -> int:
 
 def _equal_extents(a, b) -> bool:
     extents = (a.dom.extent, b.dom.extent)
-    return all(_static(e) for e in extents) and int(extents[0]) == int(extents[1])
+    return all(isinstance(e, tirx.IntImm) for e in extents) and int(extents[0]) == int(extents[1])
 
 
 def _any_same(obj, objs) -> bool:
     return any(obj.same_as(other) for other in objs)
-
-
-def _static(extent) -> bool:
-    return isinstance(extent, tirx.IntImm)
 
 
 def _vectorize_inner(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
