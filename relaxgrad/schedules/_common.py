@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.ir import IRModule
+from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.target import Target
 
 from .. import _ty
@@ -52,3 +53,30 @@ def static_shape(expr) -> list[int] | None:
 def first_line(err: Exception) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0][:200] if lines else "(no message)"
+
+
+@visitor
+class _Reads(PyExprVisitor):
+    def __init__(self):
+        super().__init__()
+        self.count: dict = {}
+
+    def visit_var_(self, var: relax.Var) -> None:
+        self.count[var] = self.count.get(var, 0) + 1
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
+        self.visit_var_(var)
+
+
+def read_counts(expr: relax.Expr) -> dict:
+    """How many times each var is read in ``expr`` (a function: in its body)."""
+    reads = _Reads()
+    reads.visit_expr(expr)
+    return reads.count
+
+
+def bound_values(func: relax.Function) -> dict:
+    """The value of each var bound by a ``VarBinding`` in ``func``'s blocks."""
+    blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
+    return {b.var: b.value for block in blocks for b in block.bindings
+            if isinstance(b, relax.VarBinding)}  # fmt: skip

@@ -37,12 +37,12 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule, Op
-from tvm.relax.expr_functor import PyExprMutator, PyExprVisitor, mutator, visitor
+from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
 from .. import _ty
-from ._common import rewrite_functions, static_shape
+from ._common import bound_values, read_counts, rewrite_functions, static_shape
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -368,21 +368,6 @@ class _Rewriter(PyExprMutator):
         return relax.call_tir(self.funcs[key], [a, b], out_type)
 
 
-@visitor
-class _Uses(PyExprVisitor):
-    """How many times each var is read in a function."""
-
-    def __init__(self):
-        super().__init__()
-        self.count: dict = {}
-
-    def visit_var_(self, var: relax.Var) -> None:
-        self.count[var] = self.count.get(var, 0) + 1
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> None:
-        self.visit_var_(var)
-
-
 @mutator
 class _TransposedProducts(PyExprMutator):
     """``permute_dims(p)`` swapping the last two axes of a product ``p = matmul(a, b)`` read
@@ -399,9 +384,7 @@ class _TransposedProducts(PyExprMutator):
         self.uses: dict = {}
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        uses = _Uses()
-        uses.visit_expr(func)
-        self.uses = uses.count
+        self.uses = read_counts(func)
         return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -617,13 +600,13 @@ class _ConcatenatedProducts(PyExprMutator):
         self.dropped: set = set()
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        uses, inside = _Uses(), _Uses()
-        uses.visit_expr(func)
+        inside: dict = {}
         blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
         for block in blocks:
             for binding in block.bindings:
-                inside.visit_expr(binding.value)
-        outside = {v: n - inside.count.get(v, 0) for v, n in uses.count.items()}
+                for var, count in read_counts(binding.value).items():
+                    inside[var] = inside.get(var, 0) + count
+        outside = {v: n - inside.get(v, 0) for v, n in read_counts(func).items()}
         for block in blocks:
             if isinstance(block, relax.DataflowBlock):
                 for group in _Block(block, outside).groups():
@@ -697,14 +680,7 @@ class _MergedHeads(PyExprMutator):
         self.claimed: set = set()  # heads merged by a concatenation of them
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        uses = _Uses()
-        uses.visit_expr(func)
-        self.uses, self.values, self.claimed = uses.count, {}, set()
-        blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
-        for block in blocks:
-            for binding in block.bindings:
-                if isinstance(binding, relax.VarBinding):
-                    self.values[binding.var] = binding.value
+        self.uses, self.values, self.claimed = read_counts(func), bound_values(func), set()
         for value in self.values.values():
             if self._parts(value) is not None and _is(value, Op.get("relax.concat")):
                 self.claimed |= set(value.args[0].fields)

@@ -30,7 +30,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from . import blas
-from ._common import rewrite_functions, static_shape
+from ._common import bound_values, read_counts, rewrite_functions, static_shape
 from .blas import _is
 
 _OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter unfused
@@ -319,18 +319,11 @@ def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:
     parameter or bound before ``p``, in a dataflow block of ``func``."""
     if not isinstance(func.body, relax.SeqExpr):
         return {}
-    bindings = [b for block in func.body.blocks for b in block.bindings
-                if isinstance(b, relax.VarBinding)]  # fmt: skip
-    values = {b.var: b.value for b in bindings}
-    position = {b.var: i for i, b in enumerate(bindings)}
-    reads: dict = {}
-    for value in [*values.values(), func.body.body]:
-        for var in relax.analysis.free_vars(value):
-            reads[var] = reads.get(var, 0) + 1
+    values, reads = bound_values(func), read_counts(func)
+    position = {var: i for i, var in enumerate(values)}
     masks = {}
-    for binding in bindings:
-        value = binding.value
-        if not (isinstance(binding.var, relax.DataflowVar) and _is(value, Op.get("relax.where"))):
+    for var, value in values.items():
+        if not (isinstance(var, relax.DataflowVar) and _is(value, Op.get("relax.where"))):
             continue
         cond, zero, p = value.args
         cond = values.get(cond, cond)
