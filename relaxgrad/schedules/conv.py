@@ -317,8 +317,6 @@ def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:
     """``{p: t}`` for each max-pool gradient ``p`` read only by ``where(less(t, 0), 0, p)``
     (``relu``'s gradient, zeros as scalar constants, bound to a dataflow var), ``t`` a
     parameter or bound before ``p``, in a dataflow block of ``func``."""
-    if not isinstance(func.body, relax.SeqExpr):
-        return {}
     values, reads = bound_values(func), read_counts(func)
     position = {var: i for i, var in enumerate(values)}
     masks = {}
