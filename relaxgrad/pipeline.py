@@ -37,6 +37,7 @@ from .schedules import (
     ConvToMatmul,
     DuplicateCheapProducers,
     FastMath,
+    FuseColumnSums,
     FuseRowReductions,
     MatmulToBLAS,
     MeanAsSum,
@@ -157,8 +158,8 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
     ``ScheduleCPU()``) as its scheduling step after fusion (:class:`DuplicateCheapProducers` and
-    :class:`FuseRowReductions` before ``FuseOps``), and float32 ``exp``, ``tanh`` and
-    ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
+    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it), and
+    float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -170,6 +171,7 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     return _pipeline(
         schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[DuplicateCheapProducers(), FuseRowReductions()],
+        after_fusing=[FuseColumnSums()],
     )  # fmt: skip
 
 
@@ -180,6 +182,7 @@ def _pipeline(
     after_planning: list[tvm.transform.Pass],
     name: str,
     before_fusing: list[tvm.transform.Pass] = (),
+    after_fusing: list[tvm.transform.Pass] = (),
 ) -> tvm.transform.Pass:
     """Legalize, fuse, ``schedule``, then TVM's lowering and VM passes."""
     passes = [
@@ -191,6 +194,7 @@ def _pipeline(
         relax.transform.FoldConstant(),
         *before_fusing,
         relax.transform.FuseOps(),
+        *after_fusing,
         relax.transform.FuseTIR(),
         schedule,
         *after_scheduling,

@@ -1,18 +1,21 @@
 """Schedule steps for relaxgrad.compile: a rule per PrimFunc, chosen by trying them in order.
 
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
-(:class:`TiledMatmul`, :class:`RowLocal`, :class:`ParallelLoops`) share one mechanism: a rule
-that raises or whose schedule fails verification falls through to the next, and the choice is
-recorded in ``choices`` / ``errors``. Before legalization, CPU builds rewrite convolutions into
-matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`)
-and means into sums that fuse with the products they reduce (:class:`MeanAsSum`); before
-fusion, cheap elementwise producers read twice are copied for each reader
-(:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
-(:class:`FuseRowReductions`); after scheduling, float32 ``exp``, ``tanh`` and ``sigmoid``
-become polynomials LLVM vectorizes (:class:`FastMath`).
+(:class:`TiledMatmul`, :class:`RowLocal`, :class:`ColumnLocal`, :class:`ParallelLoops`) share
+one mechanism: a rule that raises or whose schedule fails verification falls through to the
+next, and the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds
+rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls
+(:class:`MatmulToBLAS`) and means into sums that fuse with the products they reduce
+(:class:`MeanAsSum`); before fusion, cheap elementwise producers read twice are copied for each
+reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
+(:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
+that computes its input for other readers too (:class:`FuseColumnSums`); after scheduling,
+float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
+(:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS
+from .columns import ColumnLocal, FuseColumnSums
 from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
 from .duplicate import DuplicateCheapProducers
@@ -23,10 +26,12 @@ from .rows import FuseRowReductions, RowLocal
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
+    "ColumnLocal",
     "ConvToMatmul",
     "DuplicateCheapProducers",
     "FastMath",
     "FullReduction",
+    "FuseColumnSums",
     "FuseRowReductions",
     "MatmulToBLAS",
     "MeanAsSum",

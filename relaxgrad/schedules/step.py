@@ -16,6 +16,7 @@ from tvm.target import Target
 from .._modules import with_functions
 from ..errors import GradientError
 from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled
+from .columns import ColumnLocal
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
 from .rows import RowLocal
@@ -141,8 +142,9 @@ class ScheduleGPU(_ScheduleStep):
 
 def default_cpu_rules() -> list[ScheduleRule]:
     """:class:`TiledMatmul`, then :class:`RowLocal` (functions whose blocks share their rows, as
-    softmax's and layer norm's fused gradients), then :class:`ParallelLoops` for everything
-    else, reductions included.
+    softmax's and layer norm's fused gradients), then :class:`ColumnLocal` (column sums with
+    the elementwise kernel of their input), then :class:`ParallelLoops` for everything else,
+    reductions included.
 
     dlight's ``cpu.Reduction`` is left out: it computes every block under the leading spatial
     loop, so the mean over ``(N, H, W)`` of a batch norm, with its ``x - mean`` epilogue, sweeps
@@ -151,7 +153,7 @@ def default_cpu_rules() -> list[ScheduleRule]:
     around each row's reduction loop, which LLVM took 2 to 5 minutes to compile for a layer
     norm gradient's ``sum(g * gamma)`` over rows of 256 (:class:`ParallelLoops` accumulates
     vector partials along the row instead)."""
-    return [TiledMatmul(), RowLocal(), ParallelLoops()]
+    return [TiledMatmul(), RowLocal(), ColumnLocal(), ParallelLoops()]
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")
