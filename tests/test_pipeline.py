@@ -154,7 +154,7 @@ def _cuda_source(executable) -> str:
     return "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda")
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["cnn", "transformer"])  # the mlp: in the next test
 def test_cuda_builds(name):
     mod = adjoint_module(name)
     schedule = ScheduleGPU()

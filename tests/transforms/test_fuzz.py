@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from . import fuzz_programs as fp
 
-EXAMPLES = int(os.environ.get("RELAXGRAD_FUZZ_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("RELAXGRAD_FUZZ_EXAMPLES", "80"))
 SEEN = collections.Counter()
 
 FUZZ = settings(
