@@ -59,7 +59,10 @@ def _kernels(mod: tvm.IRModule) -> list[str]:
 
 def test_bias_gradient_sum_joins_the_kernel_of_its_input():
     mod = _relu_backward()
-    assert _kernels(_fused(mod, merge=False)) == ["fused_add_less_where", "matmul", "collapse_sum"]
+    unmerged = _fused(mod, merge=False)
+    assert _kernels(unmerged) == ["fused_add_less_where", "matmul", "collapse_sum"]
+    for name in ["fused_add_less_where", "collapse_sum"]:  # elementwise only; a sum only
+        assert ColumnLocal().apply(unmerged[name], host_target(), False) is None
     merged = _fused(mod)
     assert _kernels(merged) == ["fused_add_less_where_collapse_sum", "matmul"]
     (call,) = [b.value for b in merged["main"].body.blocks[0].bindings
@@ -130,3 +133,31 @@ def test_mlp_gradients_match_pytorch(rows):
     wants = _torch_grads(reference, [a.astype("float64") for a in arrays])
     for got, want in zip(grads, wants):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_summed_tensor_returned_too():
+    """``g`` is an output of the function as well as the sum's and the matmul's input: the
+    merged kernel's first result is bound to it."""
+    dtype = "float32"
+    params = [("x", (*ROWS, N), dtype), ("b", (N,), dtype), ("dy", (*ROWS, N), dtype),
+              ("w", (N, 8), dtype)]  # fmt: skip
+    args = [relax.Var(name, relax.TensorType(shape, dtype)) for name, shape, dtype in params]
+    x, b, dy, w = args
+    bb = relax.BlockBuilder()
+    with bb.function("main", args):
+        with bb.dataflow():
+            mask = bb.emit(op.less(op.add(x, b), relax.const(0, dtype)))
+            g = bb.emit_output(op.where(mask, relax.const(0, dtype), dy))
+            product = bb.emit_output(op.matmul(g, w))
+            total = bb.emit_output(op.collapse_sum_to(g, relax.ShapeExpr([N])))
+        bb.emit_func_output(relax.Tuple([g, product, total]))
+    mod = bb.get()
+    assert _kernels(_fused(mod)) == ["fused_add_less_where_collapse_sum", "matmul"]
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, _ in params]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = [t.numpy() for t in vm["main"](*[tvm.runtime.tensor(a) for a in arrays])]
+    want = np.where(arrays[0] + arrays[1] < 0, 0, arrays[2])
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_allclose(got[1], want @ arrays[3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[2], want.sum((0, 1)), rtol=1e-5, atol=1e-5)
