@@ -16,19 +16,11 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.pipeline import host_target
-from relaxgrad.schedules import ColumnLocal, FuseColumnSums, ScheduleCPU, blas
+from relaxgrad.schedules import ColumnLocal, FuseColumnSums, blas
+
+from .test_rows import _compiled_gradients, _module, _torch_grads
 
 ROWS, N = (2, 64), 48
-
-
-def _module(params, body) -> tvm.IRModule:
-    args = [relax.Var(name, relax.TensorType(shape, dtype)) for name, shape, dtype in params]
-    bb = relax.BlockBuilder()
-    with bb.function("main", args):
-        with bb.dataflow():
-            out = bb.emit_output(body(*args))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _relu_backward(rows=ROWS, dtype="float32", summed=None):
@@ -99,12 +91,6 @@ def test_input_module_is_left_unchanged():
     assert fused.script() == before
 
 
-def _torch_grads(fn, arrays):
-    tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
-    fn(*tensors).backward()
-    return [t.grad.numpy() for t in tensors]
-
-
 @pytest.mark.skipif(not blas.available(), reason="no OpenBLAS found")
 @pytest.mark.parametrize("rows", [(3, 50), (127,)], ids=["150-rows", "127-rows"])
 def test_mlp_gradients_match_pytorch(rows):
@@ -119,13 +105,8 @@ def test_mlp_gradients_match_pytorch(rows):
         h = op.nn.relu(op.add(op.matmul(x, w1), b1))
         return op.sum(op.multiply(op.matmul(h, w2), t))
 
-    mod = relaxgrad.Gradient("main")(_module(params, body))
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, _ in params]
-    schedule = ScheduleCPU()
-    vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
-    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
-    assert "ColumnLocal" in schedule.choices.values()
+    arrays, grads, choices = _compiled_gradients(params, body)
+    assert "ColumnLocal" in choices
 
     def reference(x, w1, b1, w2, t):
         return ((torch.relu(x @ w1 + b1) @ w2) * t).sum()

@@ -99,6 +99,18 @@ def test_blocks_on_other_rows_are_left_to_other_rules():
     assert RowLocal().apply(fused[name], host_target(), False) is None
 
 
+def _compiled_gradients(params, body) -> tuple[list, list, set]:
+    """Random inputs of ``params``, the gradients of ``sum(body(...))``'s relaxgrad adjoint at
+    them (compiled for this CPU), and the schedule rules chosen for its kernels."""
+    mod = relaxgrad.Gradient("main")(_module(params, body))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in params]
+    schedule = ScheduleCPU()
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
+    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
+    return arrays, grads, set(schedule.choices.values())
+
+
 def _torch_grads(fn, arrays):
     tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
     fn(*tensors).backward()
@@ -127,13 +139,8 @@ def test_normalization_and_softmax_gradients_match_pytorch(norm, dtype):
             normed = _normalized(x, gamma, beta, dtype)
         return op.sum(op.multiply(op.nn.softmax(op.multiply(normed, normed), axis=-1), w))
 
-    mod = relaxgrad.Gradient("main")(_module(params, body))
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, _ in params]
-    schedule = ScheduleCPU()
-    vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
-    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
-    assert "RowLocal" in schedule.choices.values()
+    arrays, grads, choices = _compiled_gradients(params, body)
+    assert "RowLocal" in choices
 
     def reference(x, gamma, beta, w):
         normed = torch.nn.functional.layer_norm(x, (d,), gamma, beta)
