@@ -43,6 +43,7 @@ from .schedules import (
     MeanAsSum,
     ScheduleCPU,
     ScheduleGPU,
+    SerialLibmCalls,
 )
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
@@ -158,8 +159,10 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
     ``ScheduleCPU()``) as its scheduling step after fusion (:class:`DuplicateCheapProducers` and
-    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it), and
-    float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
+    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it), then
+    serial loops over ``sinh`` and ``cosh``, which LLVM cannot build vectorized
+    (:class:`SerialLibmCalls`), and float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable
+    polynomials (:class:`FastMath`).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -169,7 +172,7 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     schedule = schedule if schedule is not None else ScheduleCPU()
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
     return _pipeline(
-        schedule, before, [FastMath()], [], "relaxgrad.cpu_pipeline",
+        schedule, before, [SerialLibmCalls(), FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[DuplicateCheapProducers(), FuseRowReductions()],
         after_fusing=[FuseColumnSums()],
     )  # fmt: skip

@@ -10,7 +10,8 @@ rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into Op
 reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
 (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
 that computes its input for other readers too (:class:`FuseColumnSums`); after scheduling,
-float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
+vectorized loops over ``sinh`` and ``cosh`` run serially (:class:`SerialLibmCalls`: TVM cannot
+build them) and float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
 (:class:`FastMath`).
 """
 
@@ -21,6 +22,7 @@ from .cpu import ParallelLoops, TiledMatmul
 from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .gpu import FullReduction
+from .libm import SerialLibmCalls
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
@@ -39,6 +41,7 @@ __all__ = [
     "RowLocal",
     "ScheduleCPU",
     "ScheduleGPU",
+    "SerialLibmCalls",
     "TiledMatmul",
     "default_cpu_rules",
     "default_gpu_rules",
