@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import tvm
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.target import Target
@@ -80,3 +81,72 @@ def bound_values(func: relax.Function) -> dict:
     blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
     return {b.var: b.value for block in blocks for b in block.bindings
             if isinstance(b, relax.VarBinding)}  # fmt: skip
+
+
+def without_unit_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with each reduction block whose reduced iterators all have extent 1 (a matmul
+    of k = 1, a sum over an axis of 1) written as the spatial block it is: ``out = init``
+    combined with the single update, ``T.init`` and those iterators gone.
+
+    dlight's ``normalize_prim_func`` drops such iterators but keeps ``T.init``, and inlining an
+    epilogue then applies it to the init and the update both: ``matmul(a, b) + c`` of k = 1
+    computed ``a @ b + 2 c``."""
+    return func.with_body(
+        tvm_ffi.structural_map(func.body, (s_tir.SBlockRealize, _spatial_unit_reduction))
+    )
+
+
+def _spatial_unit_reduction(realize):
+    block = realize.block
+    reduced = {
+        iv.var: iv.dom.min
+        for iv in block.iter_vars
+        if int(iv.iter_type) == 2  # a reduction iterator
+    }
+    if block.init is None or not reduced:
+        return realize
+    if not all(_unit(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced):
+        return realize
+    store, init = block.body, block.init
+    if not isinstance(store, tirx.BufferStore) or not isinstance(init, tirx.BufferStore):
+        return realize
+    if not store.buffer.same_as(init.buffer) or not _same_indices(store, init):
+        return realize
+
+    def initial(load):  # the update's read of the accumulator: its initial value
+        same = load.source.same_as(store.buffer) and _same_indices(load, store)
+        return init.value if same else load
+
+    def fixed(expr):  # the reduced iterators at their only value
+        return tvm_ffi.structural_map(expr, (tvm.ir.Var, lambda v: reduced.get(v, v)))
+
+    value = fixed(tvm_ffi.structural_map(store.value, (tvm.ir.TensorLoad, initial)))
+    indices = [fixed(i) for i in store.indices]
+
+    def region(r):
+        ranges = [tvm.ir.Range.from_min_extent(fixed(x.min), x.extent) for x in r.region]
+        return tirx.BufferRegion(r.source, ranges)
+
+    keep = [i for i, iv in enumerate(block.iter_vars) if iv.var not in reduced]
+    spatial = s_tir.SBlock(
+        [block.iter_vars[i] for i in keep],
+        [region(r) for r in block.reads],
+        [region(w) for w in block.writes],
+        block.name_hint,
+        tirx.BufferStore(store.buffer, value, indices),
+        None,
+        block.alloc_buffers,
+        block.match_buffers,
+        block.annotations,
+    )
+    return s_tir.SBlockRealize([realize.iter_values[i] for i in keep], realize.predicate, spatial)
+
+
+def _unit(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _same_indices(a, b) -> bool:
+    return len(a.indices) == len(b.indices) and all(
+        x.same_as(y) for x, y in zip(a.indices, b.indices)
+    )

@@ -15,7 +15,13 @@ from tvm.target import Target
 
 from .._modules import with_functions
 from ..errors import GradientError
-from ._common import THREAD_ENV_ATTRS, first_line, is_gpu, is_scheduled
+from ._common import (
+    THREAD_ENV_ATTRS,
+    first_line,
+    is_gpu,
+    is_scheduled,
+    without_unit_reductions,
+)
 from .columns import ColumnLocal
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
@@ -69,6 +75,7 @@ class _ScheduleStep:
 
     def _schedule(self, name: str, func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         tried = []
+        func = without_unit_reductions(func)  # which dlight's normalization mishandles
         for rule in self.rules:
             rule_name = type(rule).__name__
             try:

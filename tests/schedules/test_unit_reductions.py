@@ -1,0 +1,74 @@
+"""Reductions over axes of extent 1 (a matmul of k = 1, a sum over an axis of 1) with a fused
+epilogue: the schedule step writes them as spatial blocks first (``without_unit_reductions``),
+since dlight's normalization kept their ``T.init`` and an inlined epilogue was applied twice
+(``matmul(a, b) + c`` computed ``a @ b + 2 c``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+import relaxgrad
+from relaxgrad.schedules._common import without_unit_reductions
+
+from .test_rows import _module, _torch_grads
+
+CASES = {
+    "matmul-k1-add": ([(4, 1), (1, 300), (4, 300)],
+                      lambda a, b, c: op.add(op.matmul(a, b), c),
+                      lambda a, b, c: a @ b + c),
+    "sum-axis1-add": ([(64, 1, 300), (64, 300)],
+                      lambda x, c: op.add(op.sum(x, axis=[1]), c),
+                      lambda x, c: x.sum(1) + c),
+    "max-axis1-multiply": ([(64, 1, 300), (64, 300)],
+                           lambda x, c: op.multiply(op.max(x, axis=[1]), c),
+                           lambda x, c: x.max(1) * c),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_unit_reductions_with_an_epilogue_compute_their_values(case, dtype):
+    shapes, body, reference = CASES[case]
+    mod = _module([(f"x{i}", s, dtype) for i, s in enumerate(shapes)], body)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
+    np.testing.assert_allclose(got, reference(*arrays), rtol=1e-6, atol=1e-6)
+
+
+def test_linear_layer_of_one_input_feature_gradients_match_pytorch():
+    """``sum(tanh(x @ w + b) * t)`` with x of shape (N, 1): the forward is a product of
+    k = 1 with an epilogue."""
+    params = [("x", (32, 1), "float64"), ("w", (1, 16), "float64"), ("b", (16,), "float64"),
+              ("t", (32, 16), "float64")]  # fmt: skip
+    mod = relaxgrad.Gradient("main")(_module(
+        params, lambda x, w, b, t: op.sum(op.multiply(op.tanh(op.add(op.matmul(x, w), b)), t))))
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(shape) for _, shape, _ in params]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
+    x, w, b, t = arrays
+    np.testing.assert_allclose(loss.numpy(), (np.tanh(x @ w + b) * t).sum(), rtol=1e-12)
+    wants = _torch_grads(lambda x, w, b, t: (torch.tanh(x @ w + b) * t).sum(), arrays)
+    for got, want in zip(grads, wants):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_only_unit_reductions_are_rewritten():
+    def legalized(k):
+        mod = _module([("a", (4, k), "float32"), ("b", (k, 3), "float32")],
+                      lambda a, b: op.matmul(a, b))  # fmt: skip
+        return relax.transform.LegalizeOps()(mod)["matmul"]
+
+    proper = legalized(2)
+    assert without_unit_reductions(proper).script() == proper.script()
+    unit = without_unit_reductions(legalized(1)).script()
+    assert "T.init" not in unit and '"SS"' in unit
+    assert "matmul[v_i0, v_i1] = T.Add(T.float32(0.0), a[v_i0, T.int64(0)] * b[T.int64(0), v_i1])" \
+        in unit
