@@ -91,9 +91,22 @@ def without_unit_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
     dlight's ``normalize_prim_func`` drops such iterators but keeps ``T.init``, and inlining an
     epilogue then applies it to the init and the update both: ``matmul(a, b) + c`` of k = 1
     computed ``a @ b + 2 c``."""
-    return func.with_body(
-        tvm_ffi.structural_map(func.body, (s_tir.SBlockRealize, _spatial_unit_reduction))
+    body = tvm_ffi.structural_map(func.body, (s_tir.SBlockRealize, _spatial_unit_reduction))
+    if body.same_as(func.body):
+        return func
+    # The loops of the dropped iterators bind nothing now: gone too (dlight needs each loop
+    # bound to a block iterator).
+    return func.with_body(tvm_ffi.structural_map(body, (tirx.For, _without_unused_unit_loop)))
+
+
+def _without_unused_unit_loop(loop):
+    if not _unit(loop.extent):
+        return loop
+    used = []
+    tvm_ffi.structural_walk(
+        loop.body, [(tvm.ir.Var, lambda v: used.append(v) if v.same_as(loop.loop_var) else None)]
     )
+    return loop if used else loop.body
 
 
 def _spatial_unit_reduction(realize):
