@@ -1352,6 +1352,50 @@ def _with_func(mod, name, func):
     return tvm.IRModule(funcs)
 
 
+def check_compiled(prog: Program) -> Outcome:
+    """relaxgrad's adjoint of one program built by ``relaxgrad.compile`` (fusion, our
+    schedules, OpenBLAS calls) against the same adjoint built by ``tvm.compile``: the same
+    results, float leaves within 1e-5 relative to the leaf's largest magnitude (float16:
+    1e-2), others equal."""
+    import relaxgrad
+    from relaxgrad.pipeline import host_target
+
+    mod, req = prog.build()
+    ti = prog.target_index if len(prog.ret) > 1 else 0
+    try:
+        ours = relaxgrad.Gradient("main", None if prog.require is None else req, ti)(mod)
+    except Exception as e:  # noqa: BLE001 (the pass itself is bench/fuzz.py's subject)
+        return Outcome("refused", _exc_kind(e), "", "")
+    adjoint = tvm.IRModule({tvm.ir.GlobalVar("main_adjoint"): ours["main_adjoint"]})
+    script = adjoint.script()
+    try:
+        reference = relax.VirtualMachine(tvm.compile(adjoint, target="llvm"), tvm.cpu())
+        want = _to_numpy(reference["main_adjoint"](*[_to_tvm(v) for v in prog.inputs()]))
+    except Exception as e:  # noqa: BLE001
+        return Outcome("invalid", "tvm.compile: " + _exc_kind(e), "", script)
+    try:
+        vm = relax.VirtualMachine(relaxgrad.compile(adjoint, host_target()), tvm.cpu())
+        got = _to_numpy(vm["main_adjoint"](*[_to_tvm(v) for v in prog.inputs()]))
+    except Exception as e:  # noqa: BLE001
+        return Outcome("exception", "relaxgrad.compile: " + _exc_kind(e),
+                       traceback.format_exc(), script)
+    problems = []
+    for (path, a), (_, b) in zip(_leaves(want), _leaves(got)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind == "f":
+            tol = 1e-2 if a.dtype.itemsize <= 2 else 1e-5
+            finite = a[np.isfinite(a)]
+            scale = float(np.abs(finite).max()) if finite.size else 1.0
+            if not np.allclose(b, a, rtol=tol, atol=tol * max(scale, 1e-30), equal_nan=True):
+                problems.append(f"field {path}: max difference {np.nanmax(np.abs(a - b)):.3g}")
+        elif not np.array_equal(a, b):
+            problems.append(f"field {path} differs")
+    if problems:
+        return Outcome("mismatch", "relaxgrad.compile vs tvm.compile", "\n".join(problems),
+                       script)
+    return Outcome("ok", "", "", script)
+
+
 def check_program(prog: Program, *, peer: bool = True, target=FAST_LLVM) -> Outcome:
     """Differentiate, compile, run and compare one program (see the module docstring)."""
     import relaxgrad
