@@ -12,6 +12,8 @@ from tvm.target import Target
 from .. import _ty
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
+COMM_REDUCE, INJECTIVE = 3, 2  # relax's OpPatternKind
+SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
 
 
 def is_gpu(target: Target) -> bool:
@@ -111,11 +113,7 @@ def _without_unused_unit_loop(loop):
 
 def _spatial_unit_reduction(realize):
     block = realize.block
-    reduced = {
-        iv.var: iv.dom.min
-        for iv in block.iter_vars
-        if int(iv.iter_type) == 2  # a reduction iterator
-    }
+    reduced = {iv.var: iv.dom.min for iv in block.iter_vars if int(iv.iter_type) == REDUCE}
     if block.init is None or not reduced:
         return realize
     if not all(_unit(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced):

@@ -26,13 +26,19 @@ from tvm.s_tir.dlight import ScheduleRule
 from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 
-from ._common import bound_values, read_counts, rewrite_functions, static_shape
-from .blas import THREADS
+from ._common import (
+    COMM_REDUCE,
+    INJECTIVE,
+    REDUCE,
+    SPATIAL,
+    bound_values,
+    read_counts,
+    rewrite_functions,
+    static_shape,
+)
+from .blas import THREADS, _is
 from .cpu import _cpu_blocks, _is_one, _tile, _vector_lanes
 from .rows import _blocks, _reduces
-
-_COMM_REDUCE, _INJECTIVE = 3, 2  # relax's OpPatternKind
-_SPATIAL, _REDUCE = 0, 2  # tirx.IterVar kinds
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseColumnSums")
@@ -122,7 +128,7 @@ class _Merger(PyExprMutator):
         if not isinstance(body.body, relax.Var):
             return False
         return all(
-            _is_call_tir(b.value) and _pattern(self.mod[b.value.args[0]]) <= _INJECTIVE
+            _is_call_tir(b.value) and _pattern(self.mod[b.value.args[0]]) <= INJECTIVE
             for b in body.blocks[0].bindings
         )
 
@@ -149,7 +155,7 @@ def _merged(producer: relax.Function, total: relax.Call) -> relax.Function:
 
 
 def _is_call_tir(value) -> bool:
-    return isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir"))
+    return _is(value, tvm.ir.Op.get("relax.call_tir"))
 
 
 def _pattern(func) -> int:
@@ -162,7 +168,7 @@ def _column_sum(func: tirx.PrimFunc, ndim: int) -> int | None:
     """How many trailing axes ``func`` keeps when it sums its ``ndim``-D input over the
     leading ones (``out[j...] = sum_i in[i..., j...]``, one block), else None."""
     blocks = _blocks(func)
-    if len(blocks) != 1 or _pattern(func) != _COMM_REDUCE:
+    if len(blocks) != 1 or _pattern(func) != COMM_REDUCE:
         return None
     block, store = blocks[0], blocks[0].body
     if len(block.writes) != 1 or block.init is None or not isinstance(store, tirx.BufferStore):
@@ -172,7 +178,7 @@ def _column_sum(func: tirx.PrimFunc, ndim: int) -> int | None:
     kept = _column_sum_block(block)
     if kept is None or len(block.reads[0].region) != ndim:
         return None
-    spatial = [i for i in block.iter_vars if int(i.iter_type) == _SPATIAL]
+    spatial = [i for i in block.iter_vars if int(i.iter_type) == SPATIAL]
     write = block.writes[0].region
     return kept if all(w.min.same_as(i.var) for w, i in zip(write, spatial)) else None
 
@@ -252,8 +258,8 @@ def _static(extents) -> list[int] | None:
 def _column_sum_block(block: tirx.SBlock) -> int | None:
     """How many trailing axes ``block`` keeps of the buffer it sums over the leading ones."""
     iters = list(block.iter_vars)
-    kept = [i for i in iters if int(i.iter_type) == _SPATIAL]
-    summed = [i for i in iters if int(i.iter_type) == _REDUCE]
+    kept = [i for i in iters if int(i.iter_type) == SPATIAL]
+    summed = [i for i in iters if int(i.iter_type) == REDUCE]
     if len(block.reads) != 1 or len(kept) + len(summed) != len(iters) or not kept or not summed:
         return None
     read = block.reads[0].region

@@ -30,11 +30,10 @@ from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._modules import with_functions
+from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL
 from .cpu import _cpu_blocks, _is_one, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
-_COMM_REDUCE, _INJECTIVE = 3, 2  # relax's OpPatternKind
-_SPATIAL, _REDUCE = 0, 2  # tirx.IterVar kinds
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseRowReductions")
@@ -48,11 +47,11 @@ class FuseRowReductions:
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         updates = {
-            gvar: func.with_attr("op_pattern", _INJECTIVE)
+            gvar: func.with_attr("op_pattern", INJECTIVE)
             for gvar, func in mod.functions_items()
             if isinstance(func, tirx.PrimFunc)
             and func.attrs is not None
-            and int(func.attrs.get("op_pattern", -1)) == _COMM_REDUCE
+            and int(func.attrs.get("op_pattern", -1)) == COMM_REDUCE
             and _reduces_rows(func, self.min_rows)
         }
         return with_functions(mod, updates)
@@ -76,7 +75,7 @@ def _reduces_rows(func: tirx.PrimFunc, min_rows: int) -> bool:
         return False
     iters = list(blocks[0].iter_vars)
     spatial = _spatial_prefix(blocks[0])
-    if spatial == len(iters) or any(int(i.iter_type) != _REDUCE for i in iters[spatial:]):
+    if spatial == len(iters) or any(int(i.iter_type) != REDUCE for i in iters[spatial:]):
         return False
     rows = [i for i in iters[:spatial] if not _is_one(i.dom.extent)]
     indices = [r.min for r in blocks[0].reads[0].region]
@@ -150,7 +149,7 @@ def _reduces(sch: s_tir.Schedule, block_rv, loop_rv) -> bool:
     var = sch.get(loop_rv).loop_var
     realize = _get_realize(sch, block_rv)
     return any(
-        int(iter_var.iter_type) == _REDUCE and var in set(undefined_vars(value))
+        int(iter_var.iter_type) == REDUCE and var in set(undefined_vars(value))
         for iter_var, value in zip(realize.block.iter_vars, realize.iter_values)
     )
 
@@ -181,7 +180,7 @@ def _leading(flags) -> int:
 
 
 def _spatial_prefix(block: s_tir.SBlock) -> int:
-    return _leading(int(i.iter_type) == _SPATIAL for i in block.iter_vars)
+    return _leading(int(i.iter_type) == SPATIAL for i in block.iter_vars)
 
 
 def _equal_extents(a, b) -> bool:
