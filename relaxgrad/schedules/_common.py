@@ -45,6 +45,16 @@ def rewrite_functions(mutator, mod: IRModule) -> IRModule:
     return mutator.builder_.get()
 
 
+def rebind(mutator, old: relax.Var, value: relax.Expr) -> None:
+    """Emit ``value`` with ``mutator``'s builder in place of ``old``'s binding (a dataflow var
+    or an output, as ``old`` was); later reads of ``old`` read it."""
+    if isinstance(old, relax.DataflowVar):
+        new = mutator.builder_.emit(value, old.name)
+    else:
+        new = mutator.builder_.emit_output(value, old.name)
+    mutator.set_var_remap(old, new)
+
+
 def static_shape(expr) -> list[int] | None:
     """The shape of a tensor expr as ints; None unless it is a tensor of static shape."""
     if not _ty.is_tensor(expr) or _ty.shape_of(expr) is None:

@@ -42,7 +42,7 @@ from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
 from .. import _ty
-from ._common import bound_values, read_counts, rewrite_functions, static_shape
+from ._common import bound_values, read_counts, rebind, rewrite_functions, static_shape
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -634,11 +634,11 @@ class _ConcatenatedProducts(PyExprMutator):
         total = relax.op.matmul(d, w)
         for term in group.rest:
             total = relax.op.add(emit(total), self.visit_expr(term))
-        self._bind(group.total, total)
+        rebind(self, group.total, total)
 
         def sliced(total, axis: int, olds: list) -> None:
             for old, start, width in zip(olds, offsets, widths):
-                self._bind(old, relax.op.strided_slice(total, [axis], [start], [start + width]))
+                rebind(self, old, relax.op.strided_slice(total, [axis], [start], [start + width]))
 
         if first.weight is not None:
             x = self.visit_expr(first.x)
@@ -653,14 +653,6 @@ class _ConcatenatedProducts(PyExprMutator):
         if first.bias is not None:
             total = emit(relax.op.collapse_sum_to(d, (sum(widths),)))
             sliced(total, 0, [c.bias for c in group.columns])
-
-    def _bind(self, old: relax.Var, value: relax.Expr) -> None:
-        """Emit ``value`` in place of ``old``'s binding; later reads of ``old`` read it."""
-        if isinstance(old, relax.DataflowVar):
-            new = self.builder_.emit(value, old.name)
-        else:
-            new = self.builder_.emit_output(value, old.name)
-        self.set_var_remap(old, new)
 
 
 @mutator
@@ -695,11 +687,7 @@ class _MergedHeads(PyExprMutator):
         gvar = self.builder_.add_func(heads_gemm_func(shapes, out_shape), "sgemm_heads")
         args = [self.visit_expr(x) for a, b, _, _ in parts for x in (a, b)]
         value = relax.call_tir(gvar, args, relax.TensorType(out_shape, "float32"))
-        if isinstance(binding.var, relax.DataflowVar):
-            new = self.builder_.emit(value, binding.var.name)
-        else:
-            new = self.builder_.emit_output(value, binding.var.name)
-        self.set_var_remap(binding.var, new)
+        rebind(self, binding.var, value)
         return None
 
     def _parts(self, value) -> list[tuple] | None:

@@ -33,6 +33,7 @@ from ._common import (
     SPATIAL,
     bound_values,
     read_counts,
+    rebind,
     rewrite_functions,
     static_shape,
 )
@@ -81,7 +82,7 @@ class _Merger(PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.pending:
-            self._bind(binding.var, relax.TupleGetItem(self.pending.pop(binding.var), 1))
+            rebind(self, binding.var, relax.TupleGetItem(self.pending.pop(binding.var), 1))
             return None
         if binding.var not in self.sums:
             return super().visit_var_binding_(binding)
@@ -92,7 +93,7 @@ class _Merger(PyExprMutator):
         args = [self.visit_expr(a) for a in value.args]
         call = relax.Call(self.builder_.add_func(merged, name), args)
         both = self.builder_.emit(call, f"{binding.var.name}_and_sum")
-        self._bind(binding.var, relax.TupleGetItem(both, 0))
+        rebind(self, binding.var, relax.TupleGetItem(both, 0))
         self.pending[total] = both
         return None
 
@@ -131,14 +132,6 @@ class _Merger(PyExprMutator):
             _is_call_tir(b.value) and _pattern(self.mod[b.value.args[0]]) <= INJECTIVE
             for b in body.blocks[0].bindings
         )
-
-    def _bind(self, old: relax.Var, value: relax.Expr) -> relax.Var:
-        if isinstance(old, relax.DataflowVar):
-            new = self.builder_.emit(value, old.name)
-        else:
-            new = self.builder_.emit_output(value, old.name)
-        self.set_var_remap(old, new)
-        return new
 
 
 def _merged(producer: relax.Function, total: relax.Call) -> relax.Function:
