@@ -158,7 +158,8 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
-    ``ScheduleCPU()``) as its scheduling step after fusion (:class:`DuplicateCheapProducers` and
+    ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
+    drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
     :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it), then
     serial loops over ``sinh`` and ``cosh``, which LLVM cannot build vectorized
     (:class:`SerialLibmCalls`), and float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable
@@ -173,7 +174,9 @@ def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
     return _pipeline(
         schedule, before, [SerialLibmCalls(), FastMath()], [], "relaxgrad.cpu_pipeline",
-        before_fusing=[DuplicateCheapProducers(), FuseRowReductions()],
+        before_fusing=[
+            relax.transform.CanonicalizeBindings(), DuplicateCheapProducers(), FuseRowReductions()
+        ],
         after_fusing=[FuseColumnSums()],
     )  # fmt: skip
 

@@ -142,3 +142,29 @@ def test_summed_tensor_returned_too():
     np.testing.assert_array_equal(got[0], want)
     np.testing.assert_allclose(got[1], want @ arrays[3], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[2], want.sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_sum_of_an_alias_joins_the_kernel_of_its_input():
+    """sum(mean(x @ w + b + x, axis=1) * t): the gradient binds ``b``'s sum to an alias of
+    the mean's broadcast gradient (``lv1_adjoint = lv2_adjoint``), which the pipeline drops
+    before fusing, so the sum still joins the broadcast's kernel; gradients against PyTorch."""
+    dtype, rows, seq = "float32", 2, 64
+    params = [("x", (rows, seq, N), dtype), ("w", (N, N), dtype), ("b", (N,), dtype),
+              ("t", (rows, N), dtype)]  # fmt: skip
+
+    def body(x, w, b, t):
+        h = op.add(op.add(op.matmul(x, w), b), x)
+        return op.sum(op.multiply(op.mean(h, axis=[1]), t))
+
+    adjoint = relaxgrad.Gradient("main")(_module(params, body))["main_adjoint"]
+    assert any(isinstance(b.value, relax.Var) for b in adjoint.body.blocks[0].bindings)
+    arrays, grads, choices = _compiled_gradients(params, body, with_names=True)
+    assert any("broadcast_to" in name and "collapse_sum" in name and rule == "ColumnLocal"
+               for name, rule in choices.items())  # fmt: skip
+
+    def reference(x, w, b, t):
+        return (((x @ w + b + x).mean(1)) * t).sum()
+
+    wants = _torch_grads(reference, [a.astype("float64") for a in arrays])
+    for got, want in zip(grads, wants):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

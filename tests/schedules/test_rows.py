@@ -99,16 +99,17 @@ def test_blocks_on_other_rows_are_left_to_other_rules():
     assert RowLocal().apply(fused[name], host_target(), False) is None
 
 
-def _compiled_gradients(params, body) -> tuple[list, list, set]:
+def _compiled_gradients(params, body, with_names=False) -> tuple[list, list, set | dict]:
     """Random inputs of ``params``, the gradients of ``sum(body(...))``'s relaxgrad adjoint at
-    them (compiled for this CPU), and the schedule rules chosen for its kernels."""
+    them (compiled for this CPU), and the schedule rules chosen for its kernels (by kernel
+    name if ``with_names``)."""
     mod = relaxgrad.Gradient("main")(_module(params, body))
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in params]
     schedule = ScheduleCPU()
     vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
     _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
-    return arrays, grads, set(schedule.choices.values())
+    return arrays, grads, dict(schedule.choices) if with_names else set(schedule.choices.values())
 
 
 def _torch_grads(fn, arrays):
