@@ -2,7 +2,7 @@
 
     python bench/fuzz.py --seeds 0:2000 [--max-steps 10] [--chunk 25] [--timeout 120]
                          [--all-bugs] [--ops exp,matmul,...] [--no-peer] [--out failures.json]
-                         [--compiled]
+                         [--compiled [--min-rows N]]
 
 Programs come from ``tests/transforms/fuzz_programs.py`` (``program_from_seed``). Each chunk of
 seeds runs in a fresh worker process, one worker at a time: a crash (segfault, "double free",
@@ -16,7 +16,8 @@ by kind, with the first seeds of each kind.
 
 ``--compiled`` fuzzes the compiler instead: each program's adjoint built by
 ``relaxgrad.compile`` (fusion, relaxgrad's schedules, OpenBLAS calls) against the same adjoint
-built by ``tvm.compile`` (``check_compiled``).
+built by ``tvm.compile`` (``check_compiled``); ``--min-rows 1`` applies the CPU pipeline's row and
+column rewrites (from 64 rows by default) to these small programs too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(seeds, queue, max_steps, avoid_all, ops, peer, compiled=False):
+def _worker(seeds, queue, max_steps, avoid_all, ops, peer, compiled=False, min_rows=None):
     sys.path.insert(0, ROOT)
     from tests.transforms import fuzz_programs as fp
 
@@ -41,7 +42,10 @@ def _worker(seeds, queue, max_steps, avoid_all, ops, peer, compiled=False):
         try:
             prog = fp.program_from_seed(seed, max_steps, avoid, ops)
             queue.put(("start", seed, prog.build()[0].script()))
-            outcome = fp.check_compiled(prog) if compiled else fp.check_program(prog, peer=peer)
+            if compiled:
+                outcome = fp.check_compiled(prog, min_rows)
+            else:
+                outcome = fp.check_program(prog, peer=peer)
             res = {"status": outcome.status, "kind": outcome.kind,
                    "detail": outcome.detail[-3000:], "script": outcome.script[:20000],
                    "ops": sorted(prog.ops())}
@@ -55,7 +59,7 @@ def _worker(seeds, queue, max_steps, avoid_all, ops, peer, compiled=False):
 
 
 def run(seeds, max_steps=10, chunk=25, timeout=120.0, avoid_all=False, ops=None, peer=True,
-        verbose=True, time_limit=None, compiled=False):
+        verbose=True, time_limit=None, compiled=False, min_rows=None):
     t0 = time.time()
     ctx = mp.get_context("fork")
     results = {}
@@ -67,7 +71,8 @@ def run(seeds, max_steps=10, chunk=25, timeout=120.0, avoid_all=False, ops=None,
         batch, todo = todo[:chunk], todo[chunk:]
         queue = ctx.Queue()
         proc = ctx.Process(target=_worker,
-                           args=(batch, queue, max_steps, avoid_all, ops, peer, compiled))
+                           args=(batch, queue, max_steps, avoid_all, ops, peer, compiled,
+                                 min_rows))
         proc.start()
         current, script, pending = None, "", list(batch)
         while True:
@@ -132,12 +137,15 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write every non-ok result to this JSON file")
     ap.add_argument("--compiled", action="store_true",
                     help="relaxgrad.compile vs tvm.compile on each adjoint (not the pass)")
+    ap.add_argument("--min-rows", type=int, default=None,
+                    help="with --compiled: the CPU pipeline's min_rows")
     args = ap.parse_args(argv)
     start, stop = (int(x) for x in args.seeds.split(":"))
     ops = args.ops.split(",") if args.ops else None
     t0 = time.time()
     results = run(range(start, stop), args.max_steps, args.chunk, args.timeout, args.all_bugs,
-                  ops, not args.no_peer, time_limit=args.time_limit, compiled=args.compiled)
+                  ops, not args.no_peer, time_limit=args.time_limit, compiled=args.compiled,
+                  min_rows=args.min_rows)
     print(summary(results))
     print(f"{time.time() - t0:.0f} s, {(time.time() - t0) / max(1, len(results)):.2f} s/program")
     if args.out:

@@ -38,12 +38,14 @@ from .schedules import (
     DuplicateCheapProducers,
     FastMath,
     FuseColumnSums,
+    FuseRowGroups,
     FuseRowReductions,
     MatmulToBLAS,
     MeanAsSum,
     ScheduleCPU,
     ScheduleGPU,
     SerialLibmCalls,
+    default_cpu_rules,
 )
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
@@ -154,30 +156,41 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     return _pipeline(schedule, [], [], cuda_graph, "relaxgrad.gpu_pipeline")
 
 
-def cpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> tvm.transform.Pass:
+def cpu_pipeline(
+    target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
+) -> tvm.transform.Pass:
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
     :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
     ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
-    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it), then
+    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it,
+    :class:`FuseRowGroups` after ``FuseTIR``), then
     serial loops over ``sinh`` and ``cosh``, which LLVM cannot build vectorized
     (:class:`SerialLibmCalls`), and float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable
     polynomials (:class:`FastMath`).
+
+    ``min_rows``: the fewest rows a function must have for the row and column rewrites
+    (``FuseRowReductions``, ``FuseColumnSums``, ``FuseRowGroups`` and, with the default
+    schedule, their rules) to apply; below it their thread handoffs cost more than they save
+    (``bench/fuzz.py --compiled --min-rows 1`` exercises them on small random programs).
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
     functions compute the same values; a fused matmul keeps its epilogue in the matmul's tiles.
     """
     del target  # the schedule reads each PrimFunc's target, or the current one
-    schedule = schedule if schedule is not None else ScheduleCPU()
+    schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
     return _pipeline(
         schedule, before, [SerialLibmCalls(), FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[
-            relax.transform.CanonicalizeBindings(), DuplicateCheapProducers(), FuseRowReductions()
+            relax.transform.CanonicalizeBindings(),
+            DuplicateCheapProducers(),
+            FuseRowReductions(min_rows),
         ],
-        after_fusing=[FuseColumnSums()],
+        after_fusing=[FuseColumnSums(min_rows)],
+        after_fusing_tir=[FuseRowGroups(min_rows)],
     )  # fmt: skip
 
 
@@ -189,6 +202,7 @@ def _pipeline(
     name: str,
     before_fusing: list[tvm.transform.Pass] = (),
     after_fusing: list[tvm.transform.Pass] = (),
+    after_fusing_tir: list[tvm.transform.Pass] = (),
 ) -> tvm.transform.Pass:
     """Legalize, fuse, ``schedule``, then TVM's lowering and VM passes."""
     passes = [
@@ -202,6 +216,7 @@ def _pipeline(
         relax.transform.FuseOps(),
         *after_fusing,
         relax.transform.FuseTIR(),
+        *after_fusing_tir,
         schedule,
         *after_scheduling,
         relax.transform.RewriteDataflowReshape(),

@@ -22,6 +22,7 @@ from .cpu import ParallelLoops, TiledMatmul
 from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .gpu import FullReduction
+from .groups import FuseRowGroups, RowColumnLocal
 from .libm import SerialLibmCalls
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
@@ -34,10 +35,12 @@ __all__ = [
     "FastMath",
     "FullReduction",
     "FuseColumnSums",
+    "FuseRowGroups",
     "FuseRowReductions",
     "MatmulToBLAS",
     "MeanAsSum",
     "ParallelLoops",
+    "RowColumnLocal",
     "RowLocal",
     "ScheduleCPU",
     "ScheduleGPU",

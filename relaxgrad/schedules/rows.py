@@ -133,15 +133,7 @@ class RowLocal(ScheduleRule):
                 raise _Redundant
         # 3. Vectors: elementwise loops, and the partials' lanes.
         for block_rv, _, lanes in order:
-            if lanes is not None:
-                _vectorize_inner(sch, block_rv, lanes)
-            elif _is_partial(sch, block_rv):
-                lanes_loop, *others = sorted(
-                    sch.get_loops(block_rv)[1:], key=lambda loop: _reduces(sch, block_rv, loop)
-                )  # compute_at lays loops out in the order of the iterators: lanes first
-                sch.reorder(*others, lanes_loop)
-                sch.vectorize(lanes_loop)
-                sch.decompose_reduction(block_rv, sch.get_loops(block_rv)[1])
+            vectorize_in_row(sch, block_rv, lanes, 1)
 
 
 def _reduces(sch: s_tir.Schedule, block_rv, loop_rv) -> bool:
@@ -192,8 +184,22 @@ def _any_same(obj, objs) -> bool:
     return any(obj.same_as(other) for other in objs)
 
 
-def _vectorize_inner(sch: s_tir.Schedule, block_rv, lanes: int) -> None:
-    loops = sch.get_loops(block_rv)[1:]
+def vectorize_in_row(sch: s_tir.Schedule, block_rv, lanes: int | None, depth: int) -> None:
+    """Vectorize a block computed inside ``depth`` loops over the rows: an elementwise block's
+    loops (``lanes`` given), or the lanes of a reduction's partials (:func:`_partials`)."""
+    if lanes is not None:
+        _vectorize_inner(sch, block_rv, lanes, depth)
+    elif _is_partial(sch, block_rv):
+        lanes_loop, *others = sorted(
+            sch.get_loops(block_rv)[depth:], key=lambda loop: _reduces(sch, block_rv, loop)
+        )  # compute_at lays loops out in the order of the iterators: lanes first
+        sch.reorder(*others, lanes_loop)
+        sch.vectorize(lanes_loop)
+        sch.decompose_reduction(block_rv, sch.get_loops(block_rv)[depth])
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block_rv, lanes: int, depth: int) -> None:
+    loops = sch.get_loops(block_rv)[depth:]
     if not loops:
         return
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]

@@ -25,6 +25,7 @@ from ._common import (
 from .columns import ColumnLocal
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
+from .groups import RowColumnLocal
 from .rows import RowLocal
 
 _log = logging.getLogger(__name__)
@@ -147,11 +148,12 @@ class ScheduleGPU(_ScheduleStep):
         )
 
 
-def default_cpu_rules() -> list[ScheduleRule]:
+def default_cpu_rules(min_rows: int = 64) -> list[ScheduleRule]:
     """:class:`TiledMatmul`, then :class:`RowLocal` (functions whose blocks share their rows, as
     softmax's and layer norm's fused gradients), then :class:`ColumnLocal` (column sums with
-    the elementwise kernel of their input), then :class:`ParallelLoops` for everything else,
-    reductions included.
+    the elementwise kernel of their input), then :class:`RowColumnLocal` (row-local blocks
+    with sums over the rows, as a layer norm's whole gradient), then :class:`ParallelLoops` for
+    everything else, reductions included. The row rules apply from ``min_rows`` rows.
 
     dlight's ``cpu.Reduction`` is left out: it computes every block under the leading spatial
     loop, so the mean over ``(N, H, W)`` of a batch norm, with its ``x - mean`` epilogue, sweeps
@@ -160,7 +162,8 @@ def default_cpu_rules() -> list[ScheduleRule]:
     around each row's reduction loop, which LLVM took 2 to 5 minutes to compile for a layer
     norm gradient's ``sum(g * gamma)`` over rows of 256 (:class:`ParallelLoops` accumulates
     vector partials along the row instead)."""
-    return [TiledMatmul(), RowLocal(), ColumnLocal(), ParallelLoops()]
+    return [TiledMatmul(), RowLocal(min_rows), ColumnLocal(min_rows), RowColumnLocal(min_rows),
+            ParallelLoops()]  # fmt: skip
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleCPU")

@@ -1352,13 +1352,14 @@ def _with_func(mod, name, func):
     return tvm.IRModule(funcs)
 
 
-def check_compiled(prog: Program) -> Outcome:
+def check_compiled(prog: Program, min_rows: int | None = None) -> Outcome:
     """relaxgrad's adjoint of one program built by ``relaxgrad.compile`` (fusion, our
     schedules, OpenBLAS calls) against the same adjoint built by ``tvm.compile``: the same
     results, float leaves within 1e-5 relative to the results' largest magnitude (float16:
-    1e-2), others equal."""
+    1e-2), others equal. ``min_rows``: the CPU pipeline's (small, to apply the row and
+    column rewrites to these small programs)."""
     import relaxgrad
-    from relaxgrad.pipeline import host_target
+    from relaxgrad.pipeline import cpu_pipeline, host_target
 
     mod, req = prog.build()
     ti = prog.target_index if len(prog.ret) > 1 else 0
@@ -1374,7 +1375,12 @@ def check_compiled(prog: Program) -> Outcome:
     except Exception as e:  # noqa: BLE001
         return Outcome("invalid", "tvm.compile: " + _exc_kind(e), "", script)
     try:
-        vm = relax.VirtualMachine(relaxgrad.compile(adjoint, host_target()), tvm.cpu())
+        if min_rows is None:
+            built = relaxgrad.compile(adjoint, host_target())
+        else:
+            pipeline = cpu_pipeline(host_target(), min_rows=min_rows)
+            built = tvm.compile(adjoint, host_target(), relax_pipeline=pipeline)
+        vm = relax.VirtualMachine(built, tvm.cpu())
         got = _to_numpy(vm["main_adjoint"](*[_to_tvm(v) for v in prog.inputs()]))
     except Exception as e:  # noqa: BLE001
         return Outcome("exception", "relaxgrad.compile: " + _exc_kind(e),
