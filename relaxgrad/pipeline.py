@@ -159,8 +159,10 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
 def cpu_pipeline(
     target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
 ) -> tvm.transform.Pass:
-    """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul` and
-    :class:`MatmulToBLAS` before legalization, then TVM's CPU pipeline
+    """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul`,
+    :class:`MatmulToBLAS`, :class:`MeanAsSum` and ``EliminateCommonSubexpr`` (a convolution's
+    weight gradient and its forward compute the same im2col: once) before legalization, then
+    TVM's CPU pipeline
     (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
     ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
@@ -181,7 +183,7 @@ def cpu_pipeline(
     """
     del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
-    before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum()]
+    before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum(), relax.transform.EliminateCommonSubexpr()]
     return _pipeline(
         schedule, before, [SerialLibmCalls(), FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[

@@ -3,6 +3,8 @@ im2col/col2im and matmuls give TVM's values, for strides, dilation and uneven pa
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -10,6 +12,7 @@ from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
+from relaxgrad.pipeline import cpu_pipeline, host_target
 from relaxgrad.schedules.conv import ConvToMatmul
 
 CASES = [
@@ -61,6 +64,20 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs):
         got = _run(executable, inputs)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
+def test_weight_gradient_reads_the_forwards_im2col():
+    """In the CPU pipeline the weight gradient's im2col of ``x`` is the forward's, computed
+    once (``EliminateCommonSubexpr`` after the rewrite; the values: the test above)."""
+    mod = _adjoint(*CASES[-1])
+    passes = list(cpu_pipeline(host_target()).passes)
+    names = [p.info.name for p in passes]
+    with host_target():
+        rewritten = tvm.transform.Sequential(passes[: names.index("LegalizeOps")])(mod)
+    calls = re.findall(r"R\.call_tir\((\w+)", rewritten["main_adjoint"].script())
+    assert calls.count("im2col") == 1 and "col2im" in calls
+    assert re.findall(r"R\.call_tir\((\w+)", ConvToMatmul()(mod)["main_adjoint"].script()).count(
+        "im2col") == 2  # fmt: skip
 
 
 def test_grouped_conv_is_left_to_legalization():
