@@ -12,6 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, te
@@ -20,8 +21,16 @@ from tvm.s_tir import dlight as dl
 from tvm.tirx import ForKind
 
 import relaxgrad
-from relaxgrad.pipeline import DEFAULT_CUDA_ARCH, host_target, resolve_target
-from relaxgrad.schedules import FullReduction, ParallelLoops, ScheduleCPU, ScheduleGPU, TiledMatmul
+from relaxgrad.pipeline import DEFAULT_CUDA_ARCH, cpu_pipeline, host_target, resolve_target
+from relaxgrad.schedules import (
+    FullReduction,
+    ParallelLoops,
+    ScheduleCPU,
+    ScheduleGPU,
+    TiledMatmul,
+    default_cpu_rules,
+)
+from relaxgrad.schedules.cpu import MAX_INLINED_LOADS, inlined_loads
 from relaxgrad.testing import random_inputs
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
@@ -532,3 +541,34 @@ def test_sum_over_rows_with_a_per_row_scale_vectorizes_the_columns():
     xs = [rng.standard_normal(s).astype("float32") for s in shapes]
     (got,) = _run(relaxgrad.compile(mod, "llvm"), "main", xs)
     np.testing.assert_allclose(got, (xs[0] * xs[1] * xs[2]).sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_that_would_inline_exponentially_is_built_as_it_is():
+    """The gradient of an overlapping 3x3 max-pool is a chain of ``maximum``s and first-match
+    masks that each read the one before twice: fused into one kernel, inlining its blocks
+    would grow one expression exponentially (dlight's inlining took a minute on a 4x4 input,
+    four times over, once per rule). The CPU rules leave it unscheduled; the gradient is
+    PyTorch's."""
+    x = relax.Var("x", relax.TensorType((1, 1, 4, 4), "float64"))
+    w = relax.Var("w", relax.TensorType((1, 1, 4, 4), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            pooled = op.nn.max_pool2d(x, pool_size=[3, 3], strides=[1, 1], padding=[1, 1, 1, 1])
+            out = bb.emit_output(op.sum(op.multiply(pooled, w)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    passes = list(cpu_pipeline(host_target()).passes)
+    names = [p.info.name for p in passes]
+    with host_target():
+        fused = tvm.transform.Sequential(passes[: names.index("FuseTIR") + 1])(mod)
+    (chain,) = [f for g, f in fused.functions_items() if "maximum" in g.name_hint]
+    assert inlined_loads(chain) > MAX_INLINED_LOADS
+    assert all(rule.apply(chain, host_target(), False) is None for rule in default_cpu_rules())
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, 1, 4, 4)) for _ in range(2)]
+    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in xs])
+    tx = torch.tensor(xs[0], requires_grad=True)
+    (torch.nn.functional.max_pool2d(tx, 3, 1, 1) * torch.tensor(xs[1])).sum().backward()
+    np.testing.assert_allclose(grads[0].numpy(), tx.grad.numpy(), rtol=1e-12)

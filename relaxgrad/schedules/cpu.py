@@ -307,13 +307,45 @@ def _indexes_innermost(block: tirx.SBlock, var: tirx.Var) -> bool:
     )
 
 
+MAX_INLINED_LOADS = 512
+"""The most loads one block may read once the spatial blocks are inlined into it: a chain of
+blocks that each read the one before twice (a max-pool gradient's window of ``maximum`` and
+``equal`` masks) inlines into an expression exponential in its length, which took dlight's
+inlining a minute and LLVM more. Such a function is left to be built as it is."""
+
+
 def _cpu_blocks(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule | None, list]:
     """A schedule of ``func`` and its blocks' infos after inlining the spatial ones (dlight's
-    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target)."""
-    if target.kind.name != "llvm":
+    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target) or where inlining
+    would grow past :data:`MAX_INLINED_LOADS`."""
+    if target.kind.name != "llvm" or inlined_loads(func) > MAX_INLINED_LOADS:
         return None, []
     sch = s_tir.Schedule(func)
     return sch, try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+
+
+def inlined_loads(func: tirx.PrimFunc) -> int:
+    """The most loads any block of ``func`` would read with every spatial block (one without
+    a reduction) inlined into its readers: each load of such a block's result counts that
+    block's own loads, recursively."""
+    blocks = []
+    tvm_ffi.structural_walk(
+        func.body,
+        [(s_tir.SBlock, lambda b: blocks.append(b) if b.name_hint != "root" else None)],
+        order="pre",
+    )
+    spatial = {}  # buffer -> inlined loads of the spatial block that writes it
+    most = 0
+    for block in blocks:
+        loads = []
+        tvm_ffi.structural_walk(block.body, [(tvm.ir.TensorLoad, loads.append)])
+        size = sum(max(spatial.get(load.source, 1), 1) for load in loads) or 1
+        most = max(most, size)
+        if block.init is None and len(block.writes) == 1:
+            spatial[block.writes[0].source] = size
+        if most > MAX_INLINED_LOADS:
+            break  # as good as infinite
+    return most
 
 
 def _vector_lanes(target: Target, dtype) -> int:
