@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax
+from tvm import relax, te
 from tvm.relax import op
-from tvm.script import tirx as T
 
 import relaxgrad
 from relaxgrad.pipeline import cpu_pipeline, host_target
-from relaxgrad.schedules import FuseRowGroups, FuseRowReductions, RowColumnLocal, ScheduleCPU
+from relaxgrad.schedules import FuseRowGroups, FuseRowReductions, RowColumnLocal
 
-from .test_rows import _module, _normalized, _torch_grads
+from .test_rows import _compiled_gradients, _module, _normalized, _torch_grads
 
 N = 48
 
@@ -52,13 +51,8 @@ def _layer_norm_gradients(rows, dtype, written_out=False):
             normed = op.nn.layer_norm(x, gamma, beta, axes=[-1])
         return op.sum(op.multiply(normed, w))
 
-    mod = relaxgrad.Gradient("main")(_module(params, body))
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(shape).astype(dtype) for _, shape, dtype in params]
-    schedule = ScheduleCPU()
-    vm = relax.VirtualMachine(relaxgrad.compile(mod, schedule=schedule), tvm.cpu())
-    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
-    return arrays, [g.numpy() for g in grads], schedule.choices
+    arrays, grads, choices = _compiled_gradients(params, body, with_names=True)
+    return arrays, [g.numpy() for g in grads], choices
 
 
 def _gradient_kernels(rows, dtype) -> list[str]:
@@ -152,37 +146,18 @@ def test_input_module_is_left_unchanged_and_other_targets_ignored():
     assert _grouped(fused, tvm.target.Target({"kind": "cuda", "arch": "sm_90"})).same_as(fused)
 
 
-@T.prim_func(s_tir=True)
-def _middle_axis_sum(x: T.Buffer((4, 32, 48), "float32"), out: T.Buffer((4, 48), "float32")):
-    total = T.sblock_alloc_buffer((4, 48))
-    for i, j, k in T.grid(4, 48, 32):
-        with T.sblock("total"):
-            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-            with T.init():
-                total[vi, vj] = T.float32(0)
-            total[vi, vj] = total[vi, vj] + x[vi, vk, vj]
-    for i, j in T.grid(4, 48):
-        with T.sblock("scaled"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            out[vi, vj] = total[vi, vj] * T.float32(0.5)
-
-
-@T.prim_func(s_tir=True)
-def _inner_axis_sum(x: T.Buffer((4, 48, 32), "float32"), out: T.Buffer((4, 48), "float32")):
-    total = T.sblock_alloc_buffer((4, 48))
-    for i, j, k in T.grid(4, 48, 32):
-        with T.sblock("total"):
-            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-            with T.init():
-                total[vi, vj] = T.float32(0)
-            total[vi, vj] = total[vi, vj] + x[vi, vj, vk]
-    for i, j in T.grid(4, 48):
-        with T.sblock("scaled"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            out[vi, vj] = total[vi, vj] * T.float32(0.5)
+def _sum_then_scale(middle: bool) -> tvm.tirx.PrimFunc:
+    """``out[i, j] = 0.5 * sum_k x[i, k, j]`` (``middle``) or ``sum_k x[i, j, k]``."""
+    x = te.placeholder((4, 32, 48) if middle else (4, 48, 32), "float32", "x")
+    k = te.reduce_axis((0, 32), "k")
+    total = te.compute(
+        (4, 48), lambda i, j: te.sum(x[i, k, j] if middle else x[i, j, k], axis=k), "total"
+    )
+    out = te.compute((4, 48), lambda i, j: total[i, j] * 0.5, "scaled")
+    return te.create_prim_func([x, out])
 
 
 def test_only_reductions_along_the_row():
     """A sum over a middle axis reads its row with a stride: not a row-local function."""
-    assert RowColumnLocal().apply(_middle_axis_sum, host_target(), False) is None
-    assert RowColumnLocal().apply(_inner_axis_sum, host_target(), False) is not None
+    assert RowColumnLocal().apply(_sum_then_scale(middle=True), host_target(), False) is None
+    assert RowColumnLocal().apply(_sum_then_scale(middle=False), host_target(), False) is not None
