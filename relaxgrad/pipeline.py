@@ -162,9 +162,8 @@ def cpu_pipeline(
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul`,
     :class:`MatmulToBLAS`, :class:`MeanAsSum` and ``EliminateCommonSubexpr`` (a convolution's
     weight gradient and its forward compute the same im2col: once) before legalization, then
-    TVM's CPU pipeline
-    (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule`` (default
-    ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
+    TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
+    (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
     :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it,
     :class:`FuseRowGroups` after ``FuseTIR``), then

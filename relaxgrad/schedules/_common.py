@@ -63,6 +63,17 @@ def static_shape(expr) -> list[int] | None:
     return [int(d) for d in shape] if all(isinstance(d, tirx.IntImm) for d in shape) else None
 
 
+def sblocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
+    """The blocks of ``func`` but its root, in program order."""
+    found = []
+    tvm_ffi.structural_walk(
+        func.body,
+        [(s_tir.SBlock, lambda b: found.append(b) if b.name_hint != "root" else None)],
+        order="pre",
+    )
+    return found
+
+
 def first_line(err: Exception) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0][:200] if lines else "(no message)"

@@ -35,11 +35,12 @@ from ._common import (
     read_counts,
     rebind,
     rewrite_functions,
+    sblocks,
     static_shape,
 )
 from .blas import THREADS, _is
 from .cpu import _cpu_blocks, _is_one, _tile, _vector_lanes
-from .rows import _blocks, _reduces
+from .rows import _reduces
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseColumnSums")
@@ -160,7 +161,7 @@ def _pattern(func) -> int:
 def _column_sum(func: tirx.PrimFunc, ndim: int) -> int | None:
     """How many trailing axes ``func`` keeps when it sums its ``ndim``-D input over the
     leading ones (``out[j...] = sum_i in[i..., j...]``, one block), else None."""
-    blocks = _blocks(func)
+    blocks = sblocks(func)
     if len(blocks) != 1 or _pattern(func) != COMM_REDUCE:
         return None
     block, store = blocks[0], blocks[0].body

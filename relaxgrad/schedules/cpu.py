@@ -19,6 +19,7 @@ from tvm.target.codegen import llvm_cpu_has_features
 from tvm.tirx.analysis import undefined_vars
 
 from ..errors import GradientError
+from ._common import sblocks
 
 
 class TiledMatmul(ScheduleRule):
@@ -328,18 +329,12 @@ def inlined_loads(func: tirx.PrimFunc) -> int:
     """The most loads any block of ``func`` would read with every spatial block (one without
     a reduction) inlined into its readers: each load of such a block's result counts that
     block's own loads, recursively."""
-    blocks = []
-    tvm_ffi.structural_walk(
-        func.body,
-        [(s_tir.SBlock, lambda b: blocks.append(b) if b.name_hint != "root" else None)],
-        order="pre",
-    )
     spatial = {}  # buffer -> inlined loads of the spatial block that writes it
     most = 0
-    for block in blocks:
+    for block in sblocks(func):
         loads = []
         tvm_ffi.structural_walk(block.body, [(tvm.ir.TensorLoad, loads.append)])
-        size = sum(max(spatial.get(load.source, 1), 1) for load in loads) or 1
+        size = sum(spatial.get(load.source, 1) for load in loads) or 1
         most = max(most, size)
         if block.init is None and len(block.writes) == 1:
             spatial[block.writes[0].source] = size

@@ -27,13 +27,19 @@ from tvm.ir import IRModule
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
 
-from ._common import REDUCE, SPATIAL, read_counts, static_shape, without_unit_reductions
+from ._common import (
+    REDUCE,
+    SPATIAL,
+    read_counts,
+    sblocks,
+    static_shape,
+    without_unit_reductions,
+)
 from .blas import THREADS
 from .columns import _is_call_tir
 from .cpu import _cpu_blocks, _tile, _vector_lanes
 from .rows import (
     RowLocal,
-    _blocks,
     _get_realize,
     _partials,
     _reduces,
@@ -367,7 +373,7 @@ class _Grouper:
         if not isinstance(binding, relax.VarBinding) or not _is_call_tir(binding.value):
             return False
         func = self.mod[binding.value.args[0]]
-        return _plain(func) and any(_along_row(block) for block in _blocks(func))
+        return _plain(func) and any(_along_row(block) for block in sblocks(func))
 
     def _merged(self, bindings, members: list[int]):
         """``(PrimFunc, args, results)`` of the kernels at ``members`` (call_tirs and the
@@ -467,7 +473,7 @@ def _plain(func) -> bool:
     """A PrimFunc of blocks with iterators only (no opaque block, e.g. an extern call's)."""
     if not isinstance(func, tirx.PrimFunc):
         return False
-    blocks = _blocks(func)
+    blocks = sblocks(func)
     return bool(blocks) and all(len(b.iter_vars) > 0 for b in blocks)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 
 import tvm
-import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import IRModule
 from tvm.s_tir.dlight import ScheduleRule
@@ -30,7 +29,7 @@ from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._modules import with_functions
-from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL
+from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, sblocks
 from .cpu import _cpu_blocks, _is_one, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -57,20 +56,10 @@ class FuseRowReductions:
         return with_functions(mod, updates)
 
 
-def _blocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
-    found = []
-    tvm_ffi.structural_walk(
-        func.body,
-        [(s_tir.SBlock, lambda b: found.append(b) if b.name_hint != "root" else None)],
-        order="pre",
-    )
-    return found
-
-
 def _reduces_rows(func: tirx.PrimFunc, min_rows: int) -> bool:
     """One block that reads one buffer at ``[rows..., reduced...]``: its spatial iterators
     (those of extent 1 aside, kept dimensions) then its reduction iterators, in order."""
-    blocks = _blocks(func)
+    blocks = sblocks(func)
     if len(blocks) != 1 or len(blocks[0].reads) != 1 or len(blocks[0].writes) != 1:
         return False
     iters = list(blocks[0].iter_vars)
