@@ -339,9 +339,9 @@ class _Grouper:
                 and _plain(self.mod[binding.value.args[0]])
             )
             candidate = sorted([*members, index, *_parts(bindings, index)])
-            if candidate[-1] >= stop:
-                continue
-            merged = self._merged(bindings, candidate) if joinable else None
+            merged = None
+            if joinable and candidate[-1] < stop:
+                merged = self._merged(bindings, candidate)
             if merged is not None:
                 members = candidate
                 outputs |= {bindings[i].var for i in candidate}
