@@ -139,21 +139,29 @@ def _spatial_unit_reduction(realize):
         return realize
     if not all(_unit(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced):
         return realize
-    store, init = block.body, block.init
-    if not isinstance(store, tirx.BufferStore) or not isinstance(init, tirx.BufferStore):
+    inits = _stores(block.init)  # one per accumulator: two for an argmax (index, value)
+    if inits is None:
         return realize
-    if not store.buffer.same_as(init.buffer) or not _same_indices(store, init):
+    init_of = {init.buffer: init for init in inits}
+    stores = []
+    tvm_ffi.structural_walk(block.body, [(tirx.BufferStore, stores.append)])
+    if len(stores) != len(inits) or not all(
+        s.buffer in init_of and _same_indices(s, init_of[s.buffer]) for s in stores
+    ):
+        return realize
+    loads = []
+    tvm_ffi.structural_walk(block.body, [(tvm.ir.TensorLoad, loads.append)])
+    if any(ld.source in init_of and not _same_indices(ld, init_of[ld.source]) for ld in loads):
         return realize
 
-    def initial(load):  # the update's read of the accumulator: its initial value
-        same = load.source.same_as(store.buffer) and _same_indices(load, store)
-        return init.value if same else load
+    def initial(load):  # the update's read of an accumulator: its initial value
+        init = init_of.get(load.source)
+        return load if init is None else init.value
 
-    def fixed(expr):  # the reduced iterators at their only value
-        return tvm_ffi.structural_map(expr, (tvm.ir.Var, lambda v: reduced.get(v, v)))
+    def fixed(node):  # the reduced iterators at their only value
+        return tvm_ffi.structural_map(node, (tvm.ir.Var, lambda v: reduced.get(v, v)))
 
-    value = fixed(tvm_ffi.structural_map(store.value, (tvm.ir.TensorLoad, initial)))
-    indices = [fixed(i) for i in store.indices]
+    body = fixed(tvm_ffi.structural_map(block.body, (tvm.ir.TensorLoad, initial)))
 
     def region(r):
         ranges = [tvm.ir.Range.from_min_extent(fixed(x.min), x.extent) for x in r.region]
@@ -162,16 +170,25 @@ def _spatial_unit_reduction(realize):
     keep = [i for i, iv in enumerate(block.iter_vars) if iv.var not in reduced]
     spatial = s_tir.SBlock(
         [block.iter_vars[i] for i in keep],
-        [region(r) for r in block.reads],
+        [region(r) for r in block.reads if r.source not in init_of],
         [region(w) for w in block.writes],
         block.name_hint,
-        tirx.BufferStore(store.buffer, value, indices),
+        body,
         None,
         block.alloc_buffers,
         block.match_buffers,
         block.annotations,
     )
     return s_tir.SBlockRealize([realize.iter_values[i] for i in keep], realize.predicate, spatial)
+
+
+def _stores(stmt) -> list | None:
+    """The stores of ``stmt``, a store or a sequence of them; None if it is anything else."""
+    if isinstance(stmt, tirx.BufferStore):
+        return [stmt]
+    if isinstance(stmt, tirx.SeqStmt) and all(isinstance(s, tirx.BufferStore) for s in stmt.seq):
+        return list(stmt.seq)
+    return None
 
 
 def _unit(extent) -> bool:

@@ -1,7 +1,7 @@
-"""Reductions over axes of extent 1 (a matmul of k = 1, a sum over an axis of 1) with a fused
-epilogue: the schedule step writes them as spatial blocks first (``without_unit_reductions``),
-since dlight's normalization kept their ``T.init`` and an inlined epilogue was applied twice
-(``matmul(a, b) + c`` computed ``a @ b + 2 c``)."""
+"""Reductions over axes of extent 1 (a matmul of k = 1, a sum, max or argmax over an axis of
+1) with a fused epilogue: the schedule step writes them as spatial blocks first
+(``without_unit_reductions``), since dlight's normalization kept their ``T.init`` and an
+inlined epilogue was applied twice (``matmul(a, b) + c`` computed ``a @ b + 2 c``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ CASES = {
     "max-axis1-multiply": ([(64, 1, 300), (64, 300)],
                            lambda x, c: op.multiply(op.max(x, axis=[1]), c),
                            lambda x, c: x.max(1) * c),
+    "argmax-axis1-add": ([(64, 1, 300), (64, 300)],
+                         lambda x, c: op.add(op.astype(op.argmax(x, axis=1), x.ty.dtype), c),
+                         lambda x, c: x.argmax(1) + c),
 }  # fmt: skip
 
 
@@ -72,3 +75,34 @@ def test_only_unit_reductions_are_rewritten():
     assert "T.init" not in unit and '"SS"' in unit
     assert "matmul[v_i0, v_i1] = T.Add(T.float32(0.0), a[v_i0, T.int64(0)] * b[T.int64(0), v_i1])" \
         in unit
+
+
+def test_max_pool_of_windows_of_one_gradient_matches_pytorch():
+    """A 1x1 max-pool of stride 2 (ceil mode): its gradient's argmax over windows of one
+    element keeps two results (index and value) per window, a block that TVM 0.27 builds wrong
+    vectorized (the gradient was all zeros)."""
+    params = [("x", (1, 2, 3, 2), "float64"), ("w", (1, 2, 2, 1), "float64")]
+
+    def body(x, w):
+        pooled = op.nn.max_pool2d(x, pool_size=[1, 1], strides=[2, 2], ceil_mode=True)
+        return op.sum(op.multiply(pooled, w))
+
+    mod = relaxgrad.Gradient("main")(_module(params, body))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape) for _, shape, _ in params]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in arrays])
+
+    def reference(x, w):
+        return (torch.nn.functional.max_pool2d(x, 1, 2, ceil_mode=True) * w).sum()
+
+    for got, want in zip(grads, _torch_grads(reference, arrays)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_argmax_of_one_element_is_rewritten_with_both_results():
+    """An argmax keeps an index and a value: both stores read the initial values instead."""
+    mod = _module([("x", (4, 1, 3), "float32")], lambda x: op.argmax(x, axis=1))
+    func = relax.transform.LegalizeOps()(mod)["argmax"]
+    unit = without_unit_reductions(func).script()
+    assert "T.init" not in unit and unit.count("T.let") == 2
