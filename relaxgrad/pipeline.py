@@ -44,7 +44,7 @@ from .schedules import (
     MeanAsSum,
     ScheduleCPU,
     ScheduleGPU,
-    SerialLibmCalls,
+    SerialVectorLoops,
     default_cpu_rules,
 )
 from .schedules._common import is_gpu
@@ -166,10 +166,10 @@ def cpu_pipeline(
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
     :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it,
-    :class:`FuseRowGroups` after ``FuseTIR``), then
-    serial loops over ``sinh`` and ``cosh``, which LLVM cannot build vectorized
-    (:class:`SerialLibmCalls`), and float32 ``exp``, ``tanh`` and ``sigmoid`` as vectorizable
-    polynomials (:class:`FastMath`).
+    :class:`FuseRowGroups` after ``FuseTIR``), then serial loops over ``sinh`` and ``cosh``,
+    which LLVM cannot build vectorized, and over blocks of several results, which TVM builds
+    wrong vectorized (:class:`SerialVectorLoops`), and float32 ``exp``, ``tanh`` and
+    ``sigmoid`` as vectorizable polynomials (:class:`FastMath`).
 
     ``min_rows``: the fewest rows a function must have for the row and column rewrites
     (``FuseRowReductions``, ``FuseColumnSums``, ``FuseRowGroups`` and, with the default
@@ -184,7 +184,7 @@ def cpu_pipeline(
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum(), relax.transform.EliminateCommonSubexpr()]
     return _pipeline(
-        schedule, before, [SerialLibmCalls(), FastMath()], [], "relaxgrad.cpu_pipeline",
+        schedule, before, [SerialVectorLoops(), FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),
             DuplicateCheapProducers(),

@@ -9,9 +9,11 @@ rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into Op
 (:class:`MeanAsSum`); before fusion, cheap elementwise producers read twice are copied for each
 reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
 (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
-that computes its input for other readers too (:class:`FuseColumnSums`); after scheduling,
-vectorized loops over ``sinh`` and ``cosh`` run serially (:class:`SerialLibmCalls`: TVM cannot
-build them) and float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
+that computes its input for other readers too (:class:`FuseColumnSums`), and kernels over
+the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`); after
+scheduling, vectorized loops over ``sinh`` and ``cosh`` or blocks of several results run
+serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the first, builds the second
+wrong) and float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
 (:class:`FastMath`).
 """
 
@@ -23,9 +25,9 @@ from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
-from .libm import SerialLibmCalls
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
+from .serial import SerialVectorLoops
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
@@ -44,7 +46,7 @@ __all__ = [
     "RowLocal",
     "ScheduleCPU",
     "ScheduleGPU",
-    "SerialLibmCalls",
+    "SerialVectorLoops",
     "TiledMatmul",
     "default_cpu_rules",
     "default_gpu_rules",

@@ -209,10 +209,7 @@ class ParallelLoops(ScheduleRule):
         else:
             fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
             outer, inner = sch.split(fused, [None, _tile(get_extent(sch, fused), lanes)])
-        if len(sch.get(info.block_rv).writes) == 1:
-            # TVM 0.27 builds a vectorized block of several results wrong: a max-pool
-            # gradient's argmax over windows of one (index and value) gave other indices.
-            sch.vectorize(inner)
+        sch.vectorize(inner)
         if extent >= self.parallel_elements:
             sch.parallel(outer)
 
