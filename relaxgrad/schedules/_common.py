@@ -63,6 +63,11 @@ def static_shape(expr) -> list[int] | None:
     return [int(d) for d in shape] if all(isinstance(d, tirx.IntImm) for d in shape) else None
 
 
+def is_one(expr) -> bool:
+    """Whether ``expr`` is the constant 1 (an int or an ``IntImm``)."""
+    return isinstance(expr, int | tirx.IntImm) and int(expr) == 1
+
+
 def sblocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
     """The blocks of ``func`` but its root, in program order."""
     found = []
@@ -123,7 +128,7 @@ def without_unit_reductions(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _without_unused_unit_loop(loop):
-    if not _unit(loop.extent):
+    if not is_one(loop.extent):
         return loop
     used = []
     tvm_ffi.structural_walk(
@@ -137,7 +142,7 @@ def _spatial_unit_reduction(realize):
     reduced = {iv.var: iv.dom.min for iv in block.iter_vars if int(iv.iter_type) == REDUCE}
     if block.init is None or not reduced:
         return realize
-    if not all(_unit(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced):
+    if not all(is_one(iv.dom.extent) for iv in block.iter_vars if iv.var in reduced):
         return realize
     inits = _stores(block.init)  # one per accumulator: two for an argmax (index, value)
     if inits is None:
@@ -189,10 +194,6 @@ def _stores(stmt) -> list | None:
     if isinstance(stmt, tirx.SeqStmt) and all(isinstance(s, tirx.BufferStore) for s in stmt.seq):
         return list(stmt.seq)
     return None
-
-
-def _unit(extent) -> bool:
-    return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
 def _same_indices(a, b) -> bool:

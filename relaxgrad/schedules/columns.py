@@ -32,6 +32,7 @@ from ._common import (
     REDUCE,
     SPATIAL,
     bound_values,
+    is_one,
     read_counts,
     rebind,
     rewrite_functions,
@@ -39,7 +40,7 @@ from ._common import (
     static_shape,
 )
 from .blas import THREADS, _is
-from .cpu import _cpu_blocks, _is_one, _tile, _vector_lanes
+from .cpu import _cpu_blocks, _tile, _vector_lanes
 from .rows import _reduces
 
 
@@ -260,6 +261,6 @@ def _column_sum_block(block: tirx.SBlock) -> int | None:
     wanted = [i.var for i in summed + kept]
     if len(read) != len(wanted):
         return None
-    if not all(r.min.same_as(v) and _is_one(r.extent) for r, v in zip(read, wanted)):
+    if not all(r.min.same_as(v) and is_one(r.extent) for r, v in zip(read, wanted)):
         return None
     return len(kept)

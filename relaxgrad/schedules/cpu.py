@@ -19,7 +19,7 @@ from tvm.target.codegen import llvm_cpu_has_features
 from tvm.tirx.analysis import undefined_vars
 
 from ..errors import GradientError
-from ._common import sblocks
+from ._common import is_one, sblocks
 
 
 class TiledMatmul(ScheduleRule):
@@ -143,15 +143,11 @@ def _elementwise_on(block: tirx.SBlock, buffer) -> bool:
     return all(
         len(r.region) == len(write.region)
         and all(
-            tvm_ffi.structural_equal(a.min, b.min) and _is_one(a.extent)
+            tvm_ffi.structural_equal(a.min, b.min) and is_one(a.extent)
             for a, b in zip(r.region, write.region, strict=True)
         )
         for r in reads
     )
-
-
-def _is_one(expr) -> bool:
-    return isinstance(expr, int | tirx.IntImm) and int(expr) == 1
 
 
 def _operand_with(block: tirx.SBlock, position: int) -> int:

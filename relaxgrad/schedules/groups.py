@@ -30,6 +30,7 @@ from tvm.target import Target
 from ._common import (
     REDUCE,
     SPATIAL,
+    is_one,
     read_counts,
     sblocks,
     static_shape,
@@ -37,7 +38,7 @@ from ._common import (
 )
 from .blas import THREADS
 from .columns import _is_call_tir
-from .cpu import _cpu_blocks, _tile, _vector_lanes
+from .cpu import _cpu_blocks, _mentions, _tile, _vector_lanes
 from .rows import (
     RowLocal,
     _get_realize,
@@ -165,7 +166,7 @@ def _row_sum_depth(block: s_tir.SBlock, written) -> int | None:
     if not reduced or len(spatial) + len(reduced) != len(block.iter_vars) or block.init is None:
         return None
     for write in block.writes:
-        if any(_uses(r.min, reduced) for r in write.region):
+        if any(_mentions(r.min, v) for r in write.region for v in reduced):
             return None
     leading = [r for r in block.reads if len(r.region) >= len(reduced)]
     if not leading:
@@ -174,9 +175,9 @@ def _row_sum_depth(block: s_tir.SBlock, written) -> int | None:
         region = read.region
         if read.source in written or read in leading:
             heads = region[: len(reduced)]
-            if not all(r.min.same_as(v) and _one(r.extent) for r, v in zip(heads, reduced)):
+            if not all(r.min.same_as(v) and is_one(r.extent) for r, v in zip(heads, reduced)):
                 return None
-            if any(_uses(r.min, reduced) for r in region[len(reduced) :]):
+            if any(_mentions(r.min, v) for r in region[len(reduced) :] for v in reduced):
                 return None
     return len(reduced)
 
@@ -194,7 +195,7 @@ def _along_row(block: s_tir.SBlock) -> bool:
     along = False
     for read in block.reads:
         *others, inner = read.region
-        if any(_uses(r.min, [last]) for r in others):
+        if any(_mentions(r.min, last) for r in others):
             return False
         along = along or inner.min.same_as(last)
     return along
@@ -207,19 +208,6 @@ def _loops_bind_rows(sch, block_rv, block: s_tir.SBlock, depth: int) -> bool:
     return len(loops) >= depth and all(
         values[k].same_as(sch.get(loops[k]).loop_var) for k in range(depth)
     )
-
-
-def _uses(expr, variables) -> bool:
-    found = []
-    tvm_ffi.structural_walk(
-        expr, [(tvm.ir.Var, lambda v: found.append(v) if any(v.same_as(x) for x in variables)
-                else None)]  # fmt: skip
-    )
-    return bool(found)
-
-
-def _one(extent) -> bool:
-    return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
 def _in_order(func: tirx.PrimFunc) -> bool:

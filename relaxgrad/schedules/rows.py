@@ -29,8 +29,8 @@ from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._modules import with_functions
-from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, sblocks
-from .cpu import _cpu_blocks, _is_one, _static_product, _tile, _vector_lanes
+from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, is_one, sblocks
+from .cpu import _cpu_blocks, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
@@ -66,7 +66,7 @@ def _reduces_rows(func: tirx.PrimFunc, min_rows: int) -> bool:
     spatial = _spatial_prefix(blocks[0])
     if spatial == len(iters) or any(int(i.iter_type) != REDUCE for i in iters[spatial:]):
         return False
-    rows = [i for i in iters[:spatial] if not _is_one(i.dom.extent)]
+    rows = [i for i in iters[:spatial] if not is_one(i.dom.extent)]
     indices = [r.min for r in blocks[0].reads[0].region]
     wanted = [i.var for i in rows + iters[spatial:]]
     return (
