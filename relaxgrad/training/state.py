@@ -71,4 +71,4 @@ def read_state(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
 def _tensor(value) -> tvm.runtime.Tensor:
     if isinstance(value, tvm.runtime.Tensor):
         return value
-    return tvm.runtime.tensor(np.ascontiguousarray(value))
+    return tvm.runtime.tensor(np.array(value, order="C"))  # ascontiguousarray makes 0-d 1-d

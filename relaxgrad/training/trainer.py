@@ -19,6 +19,7 @@ from .datasets import minibatches
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
+from .state import read_state, write_state
 
 __all__ = ["Trainer", "training_module"]
 
@@ -128,6 +129,7 @@ class Trainer:
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
+        self.steps = 0  # optimizer steps taken (restored by load)
         self.accumulate = check_accumulate(accumulate)
 
     @classmethod
@@ -185,6 +187,55 @@ class Trainer:
 
         return {key: torch.from_numpy(np.array(values[key])) for key in keys}
 
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The training state as named arrays and plain metadata (what :meth:`save` writes).
+
+        Arrays: ``param:<name>``, ``buffer:<name>``, ``optim:step`` and
+        ``optim:<slot>:<param name>`` (the optimizer's state tuple, in order); metadata:
+        ``format``, ``steps`` (optimizer steps taken), ``params``, ``buffers``, ``optim``
+        (the array names of the optimizer state, in order) and ``optimizer`` (its repr).
+        """
+        arrays = {f"param:{n}": v for n, v in self.params.items()}
+        arrays.update({f"buffer:{n}": v for n, v in self.buffers.items()})
+        optim_names = self._optim_names()
+        arrays.update({n: s.numpy() for n, s in zip(optim_names, self._optim_state)})
+        meta = {"format": 1, "steps": self.steps, "params": self.param_names,
+                "buffers": self.buffer_names, "optim": optim_names,
+                "optimizer": repr(self.optimizer)}
+        return arrays, meta
+
+    def save(self, path) -> None:
+        """Write parameters, buffers and optimizer state to ``path`` atomically, in
+        :mod:`relaxgrad.training.state`'s format (TVM's parameter file)."""
+        arrays, meta = self.state_arrays()
+        write_state(path, arrays, meta)
+
+    def load(self, path) -> None:
+        """Restore what :meth:`save` wrote into this Trainer (built for the same model and
+        optimizer); raises ``ValueError`` naming what does not match."""
+        arrays, meta = read_state(path)
+        wanted = self.state_arrays()[0]
+        missing = sorted(set(wanted) - set(arrays))
+        extra = sorted(set(arrays) - set(wanted))
+        if missing or extra:
+            raise ValueError(f"Trainer.load: {path}: the state does not match this Trainer "
+                             f"(missing {missing}, unexpected {extra})")
+        for name, value in wanted.items():
+            if arrays[name].shape != value.shape or arrays[name].dtype != value.dtype:
+                raise ValueError(
+                    f"Trainer.load: {path}: {name} is {arrays[name].dtype}{arrays[name].shape}, "
+                    f"this Trainer has {value.dtype}{value.shape}")
+        to = self.device
+        self._params = [tvm.runtime.tensor(arrays[f"param:{n}"], to) for n in self.param_names]
+        self._buffers = {n: tvm.runtime.tensor(arrays[f"buffer:{n}"], to)
+                         for n in self.buffer_names}
+        self._optim_state = [tvm.runtime.tensor(arrays[n], to) for n in self._optim_names()]
+        self.steps = int(meta["steps"])
+
+    def _optim_names(self) -> list[str]:
+        slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
+        return ["optim:step", *slots]
+
     def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """The loss and the gradients on one minibatch, without updating anything.
 
@@ -220,6 +271,7 @@ class Trainer:
             )
             self._params = list(new_params)
             self.history.append(value)
+            self.steps += 1
             return value
         args = self._args(inputs) + [self._to_device(target, self._target, "target")]
         out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
@@ -231,6 +283,7 @@ class Trainer:
             self._buffers.update(zip(self.updates, list(out)[1:]))
         value = float(_first(out).numpy())
         self.history.append(value)
+        self.steps += 1
         return value
 
     def fit(

@@ -7,7 +7,7 @@ from relaxgrad.training.state import META_KEY, read_state, write_state
 
 
 def test_round_trip_keeps_values_dtypes_and_meta(tmp_path):
-    arrays = {"w": np.arange(6, dtype="float32").reshape(2, 3), "step": np.array(7, "int64"),
+    arrays = {"w": np.arange(6, dtype="float32").reshape(2, 3), "step": np.array(7, "int64"), "scalar": np.float32(2.5),
               "key": np.array([1, 2], "uint32")}
     path = tmp_path / "ckpt.params"
     write_state(path, arrays, {"step": 7, "names": ["w"]})
@@ -15,7 +15,7 @@ def test_round_trip_keeps_values_dtypes_and_meta(tmp_path):
     assert meta == {"step": 7, "names": ["w"]}
     assert set(got) == set(arrays)
     for name, value in arrays.items():
-        assert got[name].dtype == value.dtype
+        assert got[name].dtype == value.dtype and got[name].shape == np.shape(value)
         np.testing.assert_array_equal(got[name], value)
 
 
@@ -45,3 +45,43 @@ def test_reserved_name_and_foreign_file_are_refused(tmp_path):
         {"w": tvm.runtime.tensor(np.zeros(1, "float32"))})))
     with pytest.raises(ValueError, match="not a relaxgrad state file"):
         read_state(tmp_path / "b")
+
+
+def test_trainer_save_then_load_resumes_the_same_run(tmp_path):
+    from relaxgrad.training import Adam, CrossEntropyLoss, Trainer, load_digits, mlp
+
+    data = load_digits()
+    x, y = data.x_train[:96], data.y_train[:96]
+
+    def trainer():
+        model = mlp(32, hidden=(16,), seed=3)
+        return Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-2))
+
+    straight = trainer()
+    for i in range(3):
+        straight.step(x[32 * i: 32 * i + 32], y[32 * i: 32 * i + 32])
+
+    first = trainer()
+    first.step(x[:32], y[:32])
+    first.save(tmp_path / "ckpt")
+    resumed = trainer()  # a fresh Trainer, as in a new process
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.steps == 1
+    for i in range(1, 3):
+        resumed.step(x[32 * i: 32 * i + 32], y[32 * i: 32 * i + 32])
+    assert resumed.steps == 3
+    for name, value in straight.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value)
+    fresh = trainer()
+    fresh.step(x[:32], y[:32])
+    assert any(not np.array_equal(fresh.params[n], v) for n, v in straight.params.items())
+
+
+def test_trainer_load_refuses_another_models_state(tmp_path):
+    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, mlp
+
+    small = Trainer.for_model(mlp(8, hidden=(16,)), CrossEntropyLoss(), SGD(0.1))
+    small.save(tmp_path / "ckpt")
+    wide = Trainer.for_model(mlp(8, hidden=(32,)), CrossEntropyLoss(), SGD(0.1))
+    with pytest.raises(ValueError, match="Trainer.load: .*param:"):
+        wide.load(tmp_path / "ckpt")
