@@ -16,6 +16,7 @@ from . import _ty
 from .transforms.policies import ALIAS_OPS, FREE_OPS, Program, program_from_function
 
 __all__ = [
+    "count_bindings",
     "estimate_activation_bytes",
     "live_peak_bytes",
     "planned_memory",
@@ -30,6 +31,34 @@ VIEW_OPS = frozenset({"relax.reshape", "relax.expand_dims", "relax.squeeze", "re
 #: to ``16 size`` bytes (``TokenAllocator1D::match_range_`` in TVM)
 MATCH_RANGE = 16
 _TENSOR_OPS = ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor")
+
+
+def count_bindings(func: relax.Function) -> int:
+    """The number of bindings of ``func``, those in the branches of its ``If`` s included: the
+    size of a forward or adjoint function as the passes and TVM's compiler see it (their work
+    grows with it).
+
+    Parameters
+    ----------
+    func : relax.Function
+        The function.
+
+    Returns
+    -------
+    int
+        Its bindings.
+    """
+    count, stack = 0, [func.body]
+    while stack:
+        expr = stack.pop()
+        if isinstance(expr, relax.SeqExpr):
+            for block in expr.blocks:
+                count += len(block.bindings)
+                stack.extend(b.value for b in block.bindings)
+            stack.append(expr.body)
+        elif isinstance(expr, relax.If):
+            stack.extend([expr.true_branch, expr.false_branch])
+    return count
 
 
 def planned_memory(mod: IRModule, func_name: str, target: str = "llvm") -> int:

@@ -32,6 +32,8 @@ from tvm import relax
 from tvm.ir import IRModule
 from tvm.target import Target
 
+from ._stack import with_deep_stack
+from .cache import cached
 from .errors import GradientError
 from .schedules import (
     ConvToMatmul,
@@ -71,6 +73,7 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     target: str | Mapping | Target | None = None,
     *,
     schedule: tvm.transform.Pass | None = None,
+    cache: bool = False,
 ) -> relax.VMExecutable:
     """Compile a Relax module (e.g. one with ``<name>_adjoint`` functions) to a VM executable.
 
@@ -87,6 +90,10 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
         The schedule step; defaults to ``ScheduleGPU()`` for GPU targets and ``ScheduleCPU()``
         for CPU ones. Pass your own instance to choose the rules or to read its ``choices``
         afterwards.
+    cache : bool
+        Load the executable from :mod:`relaxgrad.cache` when this module was compiled for this
+        target before (in any process), and store it there otherwise; ignored with a
+        ``schedule`` of your own.
 
     Returns
     -------
@@ -101,6 +108,12 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     if not isinstance(mod, IRModule):
         raise GradientError(f"compile: expected an IRModule, got {type(mod).__name__}")
     target = resolve_target(target)
+    if cache and schedule is None:
+        return with_deep_stack(cached, mod, target, lambda: _compile(mod, target, None))
+    return with_deep_stack(_compile, mod, target, schedule)
+
+
+def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
     mod = LowerCallTIRWithGrad()(mod)
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))

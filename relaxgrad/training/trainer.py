@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -22,6 +23,9 @@ from .optimizers import Optimizer
 from .state import read_state, write_state
 
 __all__ = ["Trainer", "training_module"]
+
+PROGRESS_DELAY = 3.0
+"""Seconds a compile runs before the Trainer shows its progress line."""
 
 Inputs = np.ndarray | Sequence[np.ndarray]
 
@@ -67,6 +71,11 @@ class Trainer:
         cuts its batch into ``accumulate`` equal parts of the compiled batch size and steps with
         their mean gradient; :meth:`fit` then takes batches of ``accumulate`` times that size.
         With a symbolic batch size, the parts are as equal as can be, weighted by their rows.
+    cache : bool
+        Load the compiled module from :mod:`relaxgrad.cache` when the same module was compiled
+        for the same target before (any process), and store it there otherwise.
+    progress : bool
+        Show a progress line (tqdm) while a compile takes more than a few seconds.
 
     Examples
     --------
@@ -92,6 +101,8 @@ class Trainer:
         updates: Sequence[str] = (),
         eval_func: str | None = None,
         accumulate: int = 1,
+        cache: bool = True,
+        progress: bool = True,
     ):
         buffers = dict(buffers or {})
         _check_updates(model, func_name, buffers, updates)
@@ -102,7 +113,7 @@ class Trainer:
         if target is None:
             target = relaxgrad.pipeline.host_target()
         self.device = _device(target)
-        self.vm = relax.VirtualMachine(_compile(self.mod, target), self.device)
+        self.vm = relax.VirtualMachine(_compile(self.mod, target, cache, progress), self.device)
 
         names = [p.name for p in model[func_name].params]
         loss_func = self.mod[f"{func_name}_loss"]
@@ -470,11 +481,25 @@ def _names(mod: IRModule) -> set[str]:
     return {gv.name_hint for gv in mod.get_global_vars()}
 
 
-def _compile(mod: IRModule, target) -> relax.VMExecutable:
-    """``relaxgrad.compile`` (CPU and GPU pipelines) where this relaxgrad has it, else
-    ``tvm.compile``."""
-    compile_fn = getattr(relaxgrad, "compile", None) or tvm.compile
-    return compile_fn(mod, target)
+def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExecutable:
+    """``relaxgrad.compile``, with a line showing the time spent once it takes over
+    :data:`PROGRESS_DELAY` seconds."""
+    bar = _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
+                        delay=PROGRESS_DELAY, disable=not progress, leave=False)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(0.5):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        return relaxgrad.compile(mod, target, cache=cache)
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
 
 
 def _device(target) -> tvm.runtime.Device:

@@ -17,6 +17,7 @@ from tvm.relax import Function, Var
 
 from .. import _ty
 from .._module import with_function
+from .._stack import with_deep_stack
 from ..errors import GradientError
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
@@ -93,7 +94,7 @@ class _GradientPass:
         self.args = args
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return gradient_module(mod, **self.args)
+        return with_deep_stack(gradient_module, mod, **self.args)
 
 
 def gradient_module(
