@@ -112,9 +112,7 @@ class DataParallel:
         tensors = [torch.from_dlpack(g) for g in grads]
         stats = torch.tensor([loss * rows, float(rows)], dtype=torch.float64,
                              device=tensors[0].device)
-        buckets = _buckets(tensors, extra=stats)
-        for flat, _ in buckets:
-            flat.mul_(rows)
+        buckets = _buckets(tensors, scale=rows, extra=stats)
         first = buckets[0][0]
         if first.dtype == torch.float64:
             first[-2:] = stats  # the loss and the rows, summed with the gradients
@@ -205,10 +203,10 @@ def fingerprint(trainer) -> dict:
     }
 
 
-def _buckets(tensors: Sequence, extra=None) -> list:
-    """``[(flat, [(index, offset, shape)])]``: ``tensors`` (torch) copied into one flat tensor
-    per dtype, each segment starting on a 64-byte boundary; the first bucket gets
-    ``len(extra)`` more elements at its end when ``extra`` has its dtype."""
+def _buckets(tensors: Sequence, scale: float = 1.0, extra=None) -> list:
+    """``[(flat, [(index, offset, shape)])]``: ``tensors`` (torch) times ``scale``, copied into
+    one flat tensor per dtype, each segment starting on a 64-byte boundary (the gaps zero); the
+    first bucket gets ``len(extra)`` more elements at its end when ``extra`` has its dtype."""
     torch = _torch()
     by_dtype: dict = {}
     for i, t in enumerate(tensors):
@@ -221,9 +219,14 @@ def _buckets(tensors: Sequence, extra=None) -> list:
             layout.append((i, size, tuple(tensors[i].shape)))
             size += -(-tensors[i].numel() // step) * step
         tail = len(extra) if extra is not None and not buckets and extra.dtype == dtype else 0
-        flat = torch.zeros(size + tail, dtype=dtype, device=tensors[indices[0]].device)
-        for i, offset, _ in layout:
-            flat[offset: offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))
+        flat = torch.empty(size + tail, dtype=dtype, device=tensors[indices[0]].device)
+        for (i, offset, _), end in zip(layout, [o for _, o, _ in layout[1:]] + [size + tail]):
+            numel = tensors[i].numel()
+            if scale == 1:
+                flat[offset: offset + numel].copy_(tensors[i].reshape(-1))
+            else:
+                torch.mul(tensors[i].reshape(-1), scale, out=flat[offset: offset + numel])
+            flat[offset + numel: end].zero_()
         buckets.append((flat, layout))
     return buckets
 

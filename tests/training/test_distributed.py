@@ -55,9 +55,17 @@ def launch(scenario: str, out, wait_for: tuple[int, ...] = (0, 1)) -> dict:
             proc.stderr.close()
 
 
+def result(out, rank: int, ext: str = "json"):
+    """What ``rank`` wrote: ``rank<r>.npz`` as a dict of arrays, or ``rank<r>.json``."""
+    path = os.path.join(out, f"rank{rank}.{ext}")
+    if ext == "npz":
+        return dict(np.load(path))
+    with open(path) as f:
+        return json.load(f)
+
+
 def ranks(out, ext: str) -> list:
-    load = (lambda p: dict(np.load(p))) if ext == "npz" else (lambda p: json.load(open(p)))
-    return [load(os.path.join(out, f"rank{r}.{ext}")) for r in range(2)]
+    return [result(out, r, ext) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +105,10 @@ def test_evaluate_reduces_over_ranks(mlp_run, reference):
     trainer, _ = reference
     x, y = data()
     expected = trainer.evaluate(x[:-1], y[:-1])
-    for result in ranks(mlp_run, "json"):
-        assert result.keys() == expected.keys()
+    for got in ranks(mlp_run, "json"):
+        assert got.keys() == expected.keys()
         for key, value in expected.items():
-            assert result[key] == pytest.approx(value, rel=1e-12)
+            assert got[key] == pytest.approx(value, rel=1e-12)
 
 
 def test_rank_0_writes_the_checkpoint(mlp_run, reference):
@@ -127,7 +135,7 @@ def test_a_run_killed_after_step_3_resumes_to_the_uninterrupted_parameters(tmp_p
     results = launch("killed", tmp_path, wait_for=(0, 1))
     (code0, err0), (code1, _) = results[0], results[1]
     assert code1 == 3 and code0 == 1, err0[-3000:]
-    failure = ranks_json_0(tmp_path)
+    failure = result(tmp_path, 0)
     assert "rank 0 of 2" in failure["error"] and "all-reduce of gradients" in failure["error"]
     assert failure["steps"] == 3
     _, meta = read_state(tmp_path / "ckpt")
@@ -141,11 +149,6 @@ def test_a_run_killed_after_step_3_resumes_to_the_uninterrupted_parameters(tmp_p
         np.testing.assert_array_equal(resumed["losses"], uninterrupted["losses"][3:])
         for key in (k for k in resumed if k.startswith("param:")):
             np.testing.assert_array_equal(resumed[key], uninterrupted[key])
-
-
-def ranks_json_0(out) -> dict:
-    with open(os.path.join(out, "rank0.json")) as f:
-        return json.load(f)
 
 
 def test_mismatched_ranks_are_refused_at_start(tmp_path):
@@ -164,7 +167,19 @@ def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path):
     results = launch("hang", tmp_path, wait_for=(0,))
     code, err = results[0]
     assert code == 1, err[-3000:]
-    failure = ranks_json_0(tmp_path)
+    failure = result(tmp_path, 0)
     assert "all-reduce of gradients failed" in failure["error"]
     assert 9 < failure["seconds"] < 30
     assert time.perf_counter() - start < LIMIT
+
+
+def test_demo_under_torchrun_trains_data_parallel():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m",
+           "relaxgrad.cli", "demo", "--epochs", "5"]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LIMIT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("data parallel on 2 processes") == 1  # rank 0 alone prints
+    assert done.stdout.count("test accuracy") == 1
+    assert done.stderr.count("\n  0%|") == 1  # one progress bar (110 steps of 2 x 32 rows)
+    assert "epoch 5/5: 100%|██████████| 110/110" in done.stderr
