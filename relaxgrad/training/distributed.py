@@ -110,18 +110,21 @@ class DataParallel:
         if grads is None:
             grads = [torch.zeros_like(torch.from_dlpack(p)) for p in like]
         tensors = [torch.from_dlpack(g) for g in grads]
-        stats = torch.tensor([loss * rows, float(rows)], dtype=torch.float64,
-                             device=tensors[0].device)
+        # the loss and the rows ride at the end of the first bucket when it is float32 or
+        # float64 (rows exact below 2**24), else in a float64 tensor of their own
+        dtype = tensors[0].dtype if tensors[0].dtype in (torch.float32, torch.float64) \
+            else torch.float64
+        stats = torch.tensor([loss * rows, float(rows)], dtype=dtype, device=tensors[0].device)
         buckets = _buckets(tensors, scale=rows, extra=stats)
         first = buckets[0][0]
-        if first.dtype == torch.float64:
-            first[-2:] = stats  # the loss and the rows, summed with the gradients
+        if first.dtype == dtype:
+            first[-2:] = stats
         else:
             buckets.append((stats, []))
         for flat, _ in buckets:
             self._collective("the all-reduce of gradients", _dist().all_reduce, flat,
                              group=self.group)
-        sums = first[-2:] if first.dtype == torch.float64 else stats
+        sums = first[-2:] if first.dtype == dtype else stats
         total_loss, total_rows = sums.tolist()
         if total_rows == 0:
             raise ValueError(f"{self._where}: no rank has rows in this batch")

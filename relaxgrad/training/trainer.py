@@ -406,7 +406,7 @@ class Trainer:
         """``(predictions, indices)`` per batch; padding rows are cut unless ``keep_padding``."""
         x = _as_tuple(x)
         n = len(x[0])
-        size = self.batch_size or n
+        size = self.batch_size or max(n, 1)  # a rank may have no rows to evaluate
         forward = self.vm[self.eval_func]
         for start in range(0, n, size):
             idx = np.arange(start, min(start + size, n))

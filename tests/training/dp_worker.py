@@ -37,7 +37,7 @@ def dp(timeout=TIMEOUT):
 
 def mlp_run(out, rank):
     """fit 2 epochs (6 steps of 2 x 8 rows), evaluate, checkpoint; the same with accumulate=2
-    on a model compiled for 4 rows."""
+    on a model compiled for 4 rows; a symbolic batch whose last batch leaves rank 1 no rows."""
     x, y = data()
     trainer = mlp_trainer(distributed=dp())
     losses = trainer.fit(x, y, epochs=2)
@@ -45,7 +45,11 @@ def mlp_run(out, rank):
     trainer.save(os.path.join(out, "ckpt"))
     accumulating = mlp_trainer(batch=BATCH // 2, accumulate=2, distributed=True)
     accumulating.fit(x, y, epochs=2, progress=False)
+    symbolic = mlp_trainer(batch="n", distributed=True)  # batches of 16, 16, 1 rows: 1 and 0
+    symbolic_losses = symbolic.fit(x[:33], y[:33], batch_size=BATCH, progress=False)
     np.savez(os.path.join(out, f"rank{rank}.npz"), losses=losses,
+             symbolic_losses=symbolic_losses,
+             **{f"symbolic:{k}": v for k, v in symbolic.params.items()},
              **{f"param:{k}": v for k, v in trainer.params.items()},
              **{f"accumulate:{k}": v for k, v in accumulating.params.items()})
     _write_json(out, rank, evaluation)

@@ -101,6 +101,19 @@ def test_two_ranks_take_the_steps_of_one_process_on_the_whole_batch(mlp_run, ref
         assert not np.allclose(value, mlp_trainer(distributed=False).params[name])
 
 
+def test_uneven_and_empty_shards_are_weighted_by_rows(mlp_run):
+    """33 rows in batches of 2 x 8 (symbolic batch): the last batch is 1 row on rank 0 and
+    none on rank 1; the steps are those of one process on batches of 16, 16 and 1 rows."""
+    x, y = data()
+    single = mlp_trainer(batch="n", distributed=False)
+    losses = single.fit(x[:33], y[:33], batch_size=16, progress=False)
+    for arrays in ranks(mlp_run, "npz"):
+        np.testing.assert_allclose(arrays["symbolic_losses"], losses, rtol=1e-12)
+        for name, value in single.params.items():
+            np.testing.assert_allclose(arrays[f"symbolic:{name}"], value, rtol=1e-10,
+                                       atol=1e-12)
+
+
 def test_evaluate_reduces_over_ranks(mlp_run, reference):
     trainer, _ = reference
     x, y = data()
