@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tvm
 
-__all__ = ["DataParallel", "DistributedError", "data_parallel"]
+__all__ = ["DataParallel", "DistributedError", "data_parallel", "rank_device"]
 
 _ALIGN = 64  # bytes: tvm.runtime.from_dlpack takes only data aligned to 64 bytes
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
@@ -58,7 +58,7 @@ class DataParallel:
 
     def __init__(self, group=None, timeout: float = 300.0, backend: str | None = None):
         self.group, self.timeout, self.backend = group, float(timeout), backend
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size, self.device = 0, 1, "cpu"
         self._where = "Trainer"
 
     def __repr__(self) -> str:
@@ -77,7 +77,11 @@ class DataParallel:
                     f"(the environment lacks {', '.join(missing)})")
             backend = self.backend or ("gloo" if trainer.device.dlpack_device_type() == 1
                                        else "nccl")
+            if backend == "nccl":
+                _torch().cuda.set_device(trainer.device.index)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout))
+        params = trainer._params
+        self.device = _torch().from_dlpack(params[0]).device if params else "cpu"
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._where = f"Trainer (rank {self.rank} of {self.world_size})"
@@ -152,7 +156,7 @@ class DataParallel:
     def all_sum(self, values: Sequence[float]) -> list[float]:
         """The sums over ranks of a few numbers (in float64)."""
         torch = _torch()
-        total = torch.tensor(list(values), dtype=torch.float64)
+        total = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         self._collective("an all-reduce", _dist().all_reduce, total, group=self.group)
         return total.tolist()
 
@@ -185,6 +189,14 @@ def data_parallel(distributed, trainer) -> DataParallel | None:
     elif not isinstance(distributed, DataParallel):
         distributed = DataParallel(group=distributed)
     return distributed.attach(trainer)
+
+
+def rank_device(device: tvm.runtime.Device, distributed) -> tvm.runtime.Device:
+    """The device of this process: ``device``, but a GPU numbered by ``LOCAL_RANK`` (set by
+    torchrun) when training data parallel, so each process of a machine has its own GPU."""
+    if distributed is None or distributed is False or device.dlpack_device_type() == 1:
+        return device
+    return tvm.device(device.dlpack_device_type(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def fingerprint(trainer) -> dict:

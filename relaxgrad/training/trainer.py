@@ -16,7 +16,7 @@ from .._module import with_function
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
-from .distributed import data_parallel
+from .distributed import data_parallel, rank_device
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
@@ -110,7 +110,7 @@ class Trainer:
         self.updates = tuple(updates)
         if target is None:
             target = relaxgrad.pipeline.host_target()
-        self.device = _device(target)
+        self.device = rank_device(_device(target), distributed)
         self.vm = relax.VirtualMachine(_compile(self.mod, target), self.device)
 
         names = [p.name for p in model[func_name].params]

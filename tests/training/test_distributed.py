@@ -196,3 +196,36 @@ def test_demo_under_torchrun_trains_data_parallel():
     assert done.stdout.count("test accuracy") == 1
     assert done.stderr.count("\n  0%|") == 1  # one progress bar (110 steps of 2 x 32 rows)
     assert "epoch 5/5: 100%|██████████| 110/110" in done.stderr
+
+
+def test_without_a_group_or_torchrun_the_error_says_what_to_do(monkeypatch):
+    from relaxgrad.training import DataParallel
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="run under torchrun.*lacks RANK, WORLD_SIZE"):
+        DataParallel().attach(trainer=None)
+
+
+def test_buckets_are_aligned_views_that_round_trip():
+    import torch
+    import tvm
+
+    from relaxgrad.training.distributed import _buckets, _unbucket
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((3, 5)), rng.integers(0, 9, 7), rng.standard_normal(1),
+              rng.standard_normal((2, 2, 3)).astype("float32")]
+    tensors = [torch.from_dlpack(tvm.runtime.tensor(a)) for a in arrays]
+    extra = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    buckets = _buckets(tensors, scale=1, extra=extra)
+    assert [flat.dtype for flat, _ in buckets] == [torch.float64, torch.int64, torch.float32]
+    assert len(buckets[0][0]) == 16 + 8 + 2  # 15 and 1 float64s, padded to 64 bytes; the extra
+    out = _unbucket(buckets, len(arrays))
+    for array, tensor in zip(arrays, out):
+        assert isinstance(tensor, tvm.runtime.Tensor)
+        np.testing.assert_array_equal(tensor.numpy(), array)
+    buckets[0][0][16] = 42.0  # a view, not a copy
+    assert out[2].numpy()[0] == 42.0
+    scaled = _unbucket(_buckets(tensors[:1], scale=3.0), 1)[0].numpy()
+    np.testing.assert_array_equal(scaled, 3 * arrays[0])
