@@ -123,12 +123,16 @@ def resumed_run(out, rank):
     _write_json(out, rank, {"loaded": loaded, "steps": trainer.steps})
 
 
-def mismatch_run(out, rank):
-    """Rank 1 builds another batch size, then other hidden sizes: both ranks must refuse."""
+def faults_run(out, rank):
+    """Rank 1 builds another batch size, then other hidden sizes, then fits with another seed:
+    both ranks must refuse each. Then rank 1 stops answering (sleeps) and rank 0's step must
+    fail after the 10 s timeout."""
+    from relaxgrad.training.distributed import DistributedError
+
     errors = []
     for kwargs in ({"batch": BATCH if rank == 0 else 4}, {"hidden": (5,) if rank == 0 else (4,)}):
         try:
-            mlp_trainer(distributed=dp(), **kwargs)
+            mlp_trainer(distributed=dp(timeout=10), **kwargs)
         except ValueError as err:
             errors.append(str(err))
     x, y = data()
@@ -138,14 +142,6 @@ def mismatch_run(out, rank):
     except ValueError as err:
         errors.append(str(err))
     _write_json(out, rank, {"errors": errors})
-
-
-def hang_run(out, rank):
-    """Rank 1 stops answering (sleeps); rank 0's step must fail after the 10 s timeout."""
-    from relaxgrad.training.distributed import DistributedError
-
-    x, y = data()
-    trainer = mlp_trainer(distributed=dp(timeout=10))
     if rank == 1:
         time.sleep(120)
         return
@@ -153,7 +149,8 @@ def hang_run(out, rank):
     try:
         trainer.step(x[:BATCH], y[:BATCH])
     except DistributedError as err:
-        _write_json(out, rank, {"error": str(err), "seconds": time.perf_counter() - start})
+        _write_json(out, rank, {"errors": errors, "error": str(err),
+                                "seconds": time.perf_counter() - start})
         sys.exit(1)
 
 
@@ -163,7 +160,7 @@ def _write_json(out, rank, value):
 
 
 SCENARIOS = {"mlp": mlp_run, "batchnorm": batchnorm_run, "killed": killed_run,
-             "resumed": resumed_run, "mismatch": mismatch_run, "hang": hang_run}
+             "resumed": resumed_run, "faults": faults_run}
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]

@@ -164,26 +164,32 @@ def test_a_run_killed_after_step_3_resumes_to_the_uninterrupted_parameters(tmp_p
             np.testing.assert_array_equal(resumed[key], uninterrupted[key])
 
 
-def test_mismatched_ranks_are_refused_at_start(tmp_path):
-    results = launch("mismatch", tmp_path)
-    assert all(code == 0 for code, _ in results.values()), results
-    for rank, result in enumerate(ranks(tmp_path, "json")):
-        batch, hidden, seed = result["errors"]
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """The faults scenario: three mismatches, then rank 1 hangs (killed once rank 0 ends)."""
+    out = tmp_path_factory.mktemp("faults")
+    start = time.perf_counter()
+    code, err = launch("faults", out, wait_for=(0,))[0]
+    return out, code, err, time.perf_counter() - start
+
+
+def test_mismatched_ranks_are_refused_at_start(faults):
+    out = faults[0]
+    for rank in range(2):
+        batch, hidden, seed = result(out, rank)["errors"]
         assert f"rank {rank} of 2" in batch
         assert "differ in the Trainer: batch size: rank 0 8, rank 1 4" in batch
         assert "parameters" in hidden and "(5, 6)" in hidden and "(4, 6)" in hidden
         assert "differ in the arguments of fit: seed: rank 0 0, rank 1 1" in seed
 
 
-def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path):
-    start = time.perf_counter()
-    results = launch("hang", tmp_path, wait_for=(0,))
-    code, err = results[0]
+def test_a_hung_rank_fails_the_others_after_the_timeout(faults):
+    out, code, err, seconds = faults
     assert code == 1, err[-3000:]
-    failure = result(tmp_path, 0)
+    failure = result(out, 0)
     assert "all-reduce of gradients failed" in failure["error"]
     assert 9 < failure["seconds"] < 30
-    assert time.perf_counter() - start < LIMIT
+    assert seconds < LIMIT
 
 
 def test_demo_under_torchrun_trains_data_parallel():
