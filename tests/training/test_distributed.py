@@ -150,7 +150,7 @@ def test_a_run_killed_after_step_3_resumes_to_the_uninterrupted_parameters(tmp_p
     assert code1 == 3 and code0 == 1, err0[-3000:]
     failure = result(tmp_path, 0)
     assert "rank 0 of 2" in failure["error"] and "all-reduce of gradients" in failure["error"]
-    assert failure["steps"] == 3
+    assert failure["steps"] == 3 and failure["seconds"] < 30  # the connection closes: no wait
     _, meta = read_state(tmp_path / "ckpt")
     assert meta["steps"] == 3 and (meta["fit"]["epoch"], meta["fit"]["batch"]) == (0, 3)
 
