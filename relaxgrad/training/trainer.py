@@ -17,6 +17,7 @@ from .._module import with_function
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
+from .distributed import data_parallel, rank_device
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
@@ -76,6 +77,13 @@ class Trainer:
         for the same target before (any process), and store it there otherwise.
     progress : bool
         Show a progress line (tqdm) while a compile takes more than a few seconds.
+    distributed : bool, process group or DataParallel
+        Train data parallel over ``torch.distributed``
+        (:mod:`relaxgrad.training.distributed`): True for the default group (initialized from
+        ``torchrun``'s environment when it is not), or a process group, or a
+        :class:`~relaxgrad.training.distributed.DataParallel`. Each rank's batch is its shard;
+        :meth:`fit` shards the data by rank, and gradients, losses and :meth:`evaluate` are
+        averaged over the ranks.
 
     Examples
     --------
@@ -103,6 +111,7 @@ class Trainer:
         accumulate: int = 1,
         cache: bool = True,
         progress: bool = True,
+        distributed=False,
     ):
         buffers = dict(buffers or {})
         _check_updates(model, func_name, buffers, updates)
@@ -112,7 +121,7 @@ class Trainer:
         self.updates = tuple(updates)
         if target is None:
             target = relaxgrad.pipeline.host_target()
-        self.device = _device(target)
+        self.device = rank_device(_device(target), distributed)
         self.vm = relax.VirtualMachine(_compile(self.mod, target, cache, progress), self.device)
 
         names = [p.name for p in model[func_name].params]
@@ -142,6 +151,9 @@ class Trainer:
         self.history: list[float] = []
         self.steps = 0  # optimizer steps taken (restored by load)
         self.accumulate = check_accumulate(accumulate)
+        self._fit_state: dict | None = None  # where fit is (saved), and where to resume (loaded)
+        self._resume: dict | None = None
+        self.dp = data_parallel(distributed, self)
 
     @classmethod
     def for_model(cls, model: Model, loss: Loss, optimizer: Optimizer, **kwargs) -> Trainer:
@@ -204,7 +216,11 @@ class Trainer:
         Arrays: ``param:<name>``, ``buffer:<name>``, ``optim:step`` and
         ``optim:<slot>:<param name>`` (the optimizer's state tuple, in order); metadata:
         ``format``, ``steps`` (optimizer steps taken), ``params``, ``buffers``, ``optim``
-        (the array names of the optimizer state, in order) and ``optimizer`` (its repr).
+        (the array names of the optimizer state, in order), ``optimizer`` (its repr) and, once
+        :meth:`fit` has stepped, ``fit``: where it is (``epoch`` and ``batch``, the next batch
+        to run; ``rng``, the shuffling generator's state at the start of that epoch; ``seed``,
+        ``shuffle``, ``samples``, ``batch_size``, ``world_size``), from which a :meth:`fit`
+        after :meth:`load` resumes. Readers ignore keys they do not know.
         """
         arrays = {f"param:{n}": v for n, v in self.params.items()}
         arrays.update({f"buffer:{n}": v for n, v in self.buffers.items()})
@@ -213,17 +229,24 @@ class Trainer:
         meta = {"format": 1, "steps": self.steps, "params": self.param_names,
                 "buffers": self.buffer_names, "optim": optim_names,
                 "optimizer": repr(self.optimizer)}
+        if self._fit_state is not None:
+            meta["fit"] = self._fit_state
         return arrays, meta
 
     def save(self, path) -> None:
-        """Write parameters, buffers and optimizer state to ``path`` atomically, in
-        :mod:`relaxgrad.training.state`'s format (TVM's parameter file)."""
-        arrays, meta = self.state_arrays()
-        write_state(path, arrays, meta)
+        """Write parameters, buffers, optimizer state and the position of :meth:`fit` to
+        ``path`` atomically, in :mod:`relaxgrad.training.state`'s format (TVM's parameter
+        file). Data parallel, every rank calls it: rank 0 writes, then all wait for it."""
+        if self.dp is None or self.dp.rank == 0:
+            arrays, meta = self.state_arrays()
+            write_state(path, arrays, meta)
+        if self.dp is not None:
+            self.dp.barrier()
 
     def load(self, path) -> None:
         """Restore what :meth:`save` wrote into this Trainer (built for the same model and
-        optimizer); raises ``ValueError`` naming what does not match."""
+        optimizer); raises ``ValueError`` naming what does not match. The next :meth:`fit`
+        resumes where the saved one was (data parallel: every rank reads ``path``)."""
         arrays, meta = read_state(path)
         wanted = self.state_arrays()[0]
         missing = sorted(set(wanted) - set(arrays))
@@ -242,6 +265,7 @@ class Trainer:
                          for n in self.buffer_names}
         self._optim_state = [tvm.runtime.tensor(arrays[n], to) for n in self._optim_names()]
         self.steps = int(meta["steps"])
+        self._fit_state = self._resume = meta.get("fit")
 
     def _optim_names(self) -> list[str]:
         slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
@@ -264,38 +288,39 @@ class Trainer:
         gradients : dict[str, np.ndarray]
             The gradient of each trainable parameter, by name.
         """
-        if self.accumulate > 1:
-            loss, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
-            return loss, {n: g.numpy() for n, g in zip(self.param_names, grads)}
-        args = self._args(inputs) + [self._to_device(target, self._target, "target")]
-        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
-        loss = _first(out)
-        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.param_names, grads)}
+        value, grads = self._gradients(inputs, target, update_buffers=False)
+        return value, {n: g.numpy() for n, g in zip(self.param_names, grads)}
 
     def step(self, inputs: Inputs, target: np.ndarray) -> float:
         """One update on one minibatch; returns the loss before the update (and replaces the
         ``updates`` buffers by their new values)."""
-        if self.accumulate > 1:
-            value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
-            new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
-                self._params, grads, self._optim_state
-            )
-            self._params = list(new_params)
-            self.history.append(value)
-            self.steps += 1
-            return value
-        args = self._args(inputs) + [self._to_device(target, self._target, "target")]
-        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+        value, grads = self._gradients(inputs, target)
         new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
             self._params, grads, self._optim_state
         )
         self._params = list(new_params)
-        if self.updates:  # out is (loss, *new buffer values)
-            self._buffers.update(zip(self.updates, list(out)[1:]))
-        value = float(_first(out).numpy())
         self.history.append(value)
         self.steps += 1
         return value
+
+    def _gradients(self, inputs: Inputs, target: np.ndarray, update_buffers: bool = True):
+        """The loss and gradient tensors of one batch: over ``accumulate`` micro-batches, and
+        averaged over the ranks when data parallel (after rank 0's buffers are broadcast)."""
+        if self.dp is not None:
+            self.dp.broadcast_buffers(self)
+        if self.dp is not None and len(target) == 0:  # a rank without rows in a last batch
+            value, grads = 0.0, None
+        elif self.accumulate > 1:
+            value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
+        else:
+            args = self._args(inputs) + [self._to_device(target, self._target, "target")]
+            out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+            if self.updates and update_buffers:  # out is (loss, *new buffer values)
+                self._buffers.update(zip(self.updates, list(out)[1:]))
+            value = float(_first(out).numpy())
+        if self.dp is not None:
+            return self.dp.mean_gradients(value, grads, len(target), self._params)
+        return value, list(grads)
 
     def fit(
         self,
@@ -306,6 +331,8 @@ class Trainer:
         seed: int = 0,
         shuffle: bool = True,
         progress: bool = True,
+        checkpoint=None,
+        checkpoint_every: int | None = None,
     ) -> list[float]:
         """Train for ``epochs`` over minibatches of ``(x, y)``; returns the per-step losses
         (also appended to ``history``).
@@ -315,19 +342,44 @@ class Trainer:
         the incomplete last batch of an epoch is dropped when the model has a static batch size
         (no padding: a model symbolic in the batch trains on it as it is). ``batch_size``
         defaults to the model's static batch size, and must equal it when there is one.
+
+        Data parallel, ``batch_size`` is each rank's: the epoch's batches have ``world_size``
+        times as many rows, in the same order on every rank, and rank ``r`` takes rows
+        ``r, r + world_size, ...`` of each (the rows ``DistributedSampler`` gives it); only
+        rank 0 shows the progress bar. With ``checkpoint`` (a path), :meth:`save` writes there
+        every ``checkpoint_every`` steps (by default, every epoch) and at the end. After
+        :meth:`load`, fit goes on from the saved position (the same data size, seed, batch
+        size and number of ranks), so a resumed run takes the steps of an uninterrupted one.
         """
         batch_size = self._batch_size(batch_size)
+        world, rank = (1, 0) if self.dp is None else (self.dp.world_size, self.dp.rank)
+        run = {"seed": seed, "shuffle": shuffle, "samples": len(y), "batch_size": batch_size,
+               "world_size": world}
+        if self.dp is not None:
+            self.dp.check_same("the arguments of fit", {**run, "epochs": epochs})
         rng = np.random.default_rng(seed) if shuffle else None
+        first_epoch, first_batch = _resume_point(self._resume, run, rng)
+        self._resume = None
         drop_last = self.batch_size is not None
-        per_epoch = len(minibatches(len(y), batch_size, None, drop_last))
+        per_epoch = len(minibatches(len(y), world * batch_size, None, drop_last))
+        every = checkpoint_every or per_epoch
         losses: list[float] = []
-        with _progress_bar(total=epochs * per_epoch, disable=not progress, unit="step") as bar:
-            for epoch in range(epochs):
+        with _progress_bar(total=epochs * per_epoch, initial=first_epoch * per_epoch + first_batch,
+                           disable=not progress or rank != 0, unit="step") as bar:
+            for epoch in range(first_epoch, epochs):
                 bar.set_description(f"epoch {epoch + 1}/{epochs}")
-                for idx in minibatches(len(y), batch_size, rng, drop_last):
+                rng_state = None if rng is None else rng.bit_generator.state
+                batches = minibatches(len(y), world * batch_size, rng, drop_last)
+                for k in range(first_batch if epoch == first_epoch else 0, len(batches)):
+                    idx = batches[k][rank::world]
                     losses.append(self.step(_take(x, idx), y[idx]))
+                    self._fit_state = {**run, "epoch": epoch, "batch": k + 1, "rng": rng_state}
+                    if checkpoint is not None and self.steps % every == 0:
+                        self.save(checkpoint)
                     bar.update()
                     bar.set_postfix(loss=f"{np.mean(losses[-per_epoch:]):.4f}", refresh=False)
+        if checkpoint is not None and self.steps % every:
+            self.save(checkpoint)
         return losses
 
     def predict(self, x: Inputs) -> np.ndarray:
@@ -337,26 +389,35 @@ class Trainer:
     def evaluate(self, x: Inputs, y: np.ndarray) -> dict[str, float]:
         """``{"loss": mean per-sample loss, "accuracy": ...}`` on ``(x, y)``; accuracy (the
         fraction of argmax predictions equal to the label or the target's argmax) only for
-        classification losses."""
+        classification losses. Data parallel, each rank evaluates its rows (every
+        ``world_size``-th), with rank 0's buffers, and the sums are reduced over the ranks."""
+        if self.dp is not None:
+            self.dp.broadcast_buffers(self)
+            idx = self.dp.shard(len(y))
+            x, y = _take(x, idx), y[idx]
         sample_loss = self.vm[f"{self.func_name}_sample_loss"]
-        losses, preds = [], []
+        loss, correct = 0.0, 0
+        labels = y if y.ndim == 1 else y.argmax(axis=1)
         for pred, idx in self._batched_predictions(x, keep_padding=True):
             target = _pad(y[idx], len(pred))
             per_sample = sample_loss(tvm.runtime.tensor(pred, self.device),
                                      self._to_device(target, self._target, "target"))
-            losses.append(per_sample.numpy()[: len(idx)])
-            preds.append(pred[: len(idx)])
-        result = {"loss": float(np.mean(np.concatenate(losses)))}
+            loss += float(per_sample.numpy()[: len(idx)].sum())
+            if self.loss.classifies:
+                correct += int(np.sum(pred[: len(idx)].argmax(axis=1) == labels[idx]))
+        sums = [loss, correct, len(y)]
+        if self.dp is not None:
+            sums = self.dp.all_sum(sums)
+        result = {"loss": sums[0] / sums[2]}
         if self.loss.classifies:
-            labels = y if y.ndim == 1 else y.argmax(axis=1)
-            result["accuracy"] = float(np.mean(np.concatenate(preds).argmax(axis=1) == labels))
+            result["accuracy"] = sums[1] / sums[2]
         return result
 
     def _batched_predictions(self, x: Inputs, keep_padding: bool = False):
         """``(predictions, indices)`` per batch; padding rows are cut unless ``keep_padding``."""
         x = _as_tuple(x)
         n = len(x[0])
-        size = self.batch_size or n
+        size = self.batch_size or max(n, 1)  # a rank may have no rows to evaluate
         forward = self.vm[self.eval_func]
         for start in range(0, n, size):
             idx = np.arange(start, min(start + size, n))
@@ -462,6 +523,22 @@ def _check_updates(model: IRModule, func_name: str, buffers: Mapping, updates: S
             f"Trainer: {func_name} returns {extra} values after the prediction, but "
             f"{len(updates)} buffers are to be updated ({list(updates)})"
         )
+
+
+def _resume_point(saved: dict | None, run: dict, rng) -> tuple[int, int]:
+    """``(epoch, batch)`` where :meth:`Trainer.fit` resumes the ``saved`` run (restoring the
+    shuffling ``rng`` to that epoch's start), ``(0, 0)`` without one; ValueError when ``run``
+    is another run."""
+    if saved is None:
+        return 0, 0
+    differ = [f"{key} {saved.get(key)!r} (now {value!r})" for key, value in run.items()
+              if saved.get(key) != value]
+    if differ:
+        raise ValueError("Trainer.fit: cannot resume the loaded run, which had "
+                         + ", ".join(differ))
+    if rng is not None:
+        rng.bit_generator.state = saved["rng"]
+    return int(saved["epoch"]), int(saved["batch"])
 
 
 def _progress_bar(**kwargs):
