@@ -9,8 +9,8 @@ would launch one kernel per input element for it, so :class:`FullReduction` come
 
 CPU targets (by default this machine's CPU, :func:`host_target`) first rewrite, before
 legalization, 2-D convolutions and their gradients into im2col/col2im gathers and matmuls
-(:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of the OpenBLAS
-``sgemm`` that numpy ships (:class:`MatmulToBLAS`). Then :class:`ScheduleCPU`: ``tvm.compile``
+(:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of OpenBLAS's
+``sgemm`` (:class:`MatmulToBLAS`; the ``scipy-openblas32`` wheel's, for this machine's CPU). Then :class:`ScheduleCPU`: ``tvm.compile``
 leaves every CPU PrimFunc as naive single-threaded loops, so a 1024-wide matmul runs about 100
 times slower than it could. :class:`TiledMatmul` gives the remaining matmuls (with their fused
 epilogues) register tiles, a packed panel of the right operand, vectorization and threads;
@@ -47,12 +47,14 @@ from .schedules import (
     SerialVectorLoops,
     default_cpu_rules,
 )
+from .schedules import blas
 from .schedules._common import is_gpu
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
+    "Executable",
     "compile",
     "cpu_pipeline",
     "gpu_pipeline",
@@ -105,8 +107,36 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
-        return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        return Executable(built.mod, blas.available(target))
     return tvm.compile(mod, target)
+
+
+class Executable(relax.VMExecutable):
+    """A CPU executable of :func:`compile`: a ``relax.VMExecutable`` whose ``export_library``
+    links the OpenBLAS its sgemm calls need (:func:`relaxgrad.schedules.blas.link_options`),
+    so that the exported library loads in a process that only has TVM's runtime.
+
+    Parameters
+    ----------
+    mod : tvm.runtime.Module
+        The VM executable's module.
+    blas_linked : bool
+        Whether the code may call OpenBLAS (the wheel was found and the target is this
+        machine's architecture).
+    """
+
+    def __init__(self, mod: tvm.runtime.Module, blas_linked: bool):
+        super().__init__(mod)
+        self.blas_linked = blas_linked
+
+    def export_library(self, file_name, **kwargs):
+        """``relax.VMExecutable.export_library`` with the OpenBLAS's linker options appended
+        to ``options``: the library finds it beside itself (``$ORIGIN``), else in the
+        ``scipy-openblas32`` wheel it was built with."""
+        if self.blas_linked:
+            kwargs["options"] = [*kwargs.get("options", []), *blas.link_options()]
+        return super().export_library(file_name, **kwargs)
 
 
 def resolve_target(target: str | Mapping | Target | None) -> Target:
@@ -180,9 +210,10 @@ def cpu_pipeline(
     worries about pure packed calls kept for their side effects; adjoints have none). The
     functions compute the same values; a fused matmul keeps its epilogue in the matmul's tiles.
     """
-    del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
-    before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum(), relax.transform.EliminateCommonSubexpr()]
+    summed = blas.available(target)  # no OpenBLAS for another CPU architecture
+    before = [ConvToMatmul(summed), MatmulToBLAS(), MeanAsSum(),
+              relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
         schedule, before, [SerialVectorLoops(), FastMath()], [], "relaxgrad.cpu_pipeline",
         before_fusing=[
