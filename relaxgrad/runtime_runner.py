@@ -86,8 +86,9 @@ class Runner:
     def step(self, inputs, target: np.ndarray) -> float:
         """One optimizer step on one batch; returns the loss before the update."""
         functions = self.manifest["functions"]
+        arguments = self._arguments(inputs)
         target = self._checked(target, self.manifest["target_input"])
-        out, grads = self.vm[functions["loss_adjoint"]](*self._arguments(inputs), target)
+        out, grads = self.vm[functions["loss_adjoint"]](*arguments, target)
         new_params, new_state = self.vm[functions["optimizer"]](
             self.params, grads, self.optim_state
         )
