@@ -26,6 +26,7 @@ arguments.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 
@@ -60,6 +61,7 @@ class Runner:
         with open(os.path.join(self.folder, MANIFEST)) as f:
             self.manifest = json.load(f)
         self.device = tvm.device(self.manifest["device"], 0)
+        _load_device_runtime(self.manifest["device"])
         library = tvm.runtime.load_module(os.path.join(self.folder, self.manifest["library"]))
         self.vm = VirtualMachine(library, self.device)
         self.load(state if state is not None else self.state_path)
@@ -139,6 +141,14 @@ class Runner:
 
     def _tensor(self, value: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.array(value, order="C"), self.device)  # (keeps 0-d)
+
+
+def _load_device_runtime(device: str) -> None:
+    """Load TVM's runtime for a GPU (``libtvm_runtime_cuda.so``), which registers the loader
+    of the library's device code and which ``TVM_USE_RUNTIME_LIB=1`` does not load."""
+    path = os.path.join(os.path.dirname(tvm.__file__), "lib", f"libtvm_runtime_{device}.so")
+    if device != "cpu" and os.path.exists(path):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def main(argv=None) -> None:

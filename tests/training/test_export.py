@@ -154,3 +154,17 @@ def test_cpp_example_trains_like_the_trainer(exported, cpp_train, tmp_path):
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if "loss" in line]
     np.testing.assert_allclose(losses, trainer.history[:STEPS], rtol=1e-5)
     _assert_state_matches(trainer, out)
+
+
+def test_cuda_artifacts_build_without_a_gpu(tmp_path):
+    model, optimizer, _ = _model("mlp")
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), optimizer, target="llvm")
+    manifest = trainer.export(tmp_path, target={"kind": "cuda", "arch": "sm_90"})
+    assert manifest == json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["device"] == "cuda" and json.loads(manifest["target"])["kind"] == "cuda"
+    assert manifest["blas"] is None and not list(tmp_path.glob("*openblas*"))
+    assert manifest["params"] == trainer.param_names
+    library = (tmp_path / manifest["library"]).read_bytes()
+    assert b"main_loss_adjoint" in library and b"fused_adam_update_kernel" in library
+    arrays, meta = read_state(tmp_path / manifest["state"])
+    assert meta["steps"] == 0 and sorted(arrays) == sorted(trainer.state_arrays()[0])
