@@ -140,8 +140,11 @@ def export_relaxgrad(net, x, folder: Path) -> None:
 
 def export_onnxruntime(net, x, folder: Path) -> None:
     import onnx
+    import onnxruntime
     import torch
     from onnxruntime.training import artifacts
+
+    onnxruntime.set_default_logger_severity(3)
 
     path = folder / "model.onnx"
     warnings.filterwarnings("ignore", "You are using the legacy TorchScript", DeprecationWarning)
