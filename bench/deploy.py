@@ -21,8 +21,8 @@ manifest; ONNX Runtime's training, eval and optimizer models and checkpoint), an
 device needs (``libtvm_runtime`` and ``libtvm_ffi``, plus the shipped OpenBLAS where the library
 calls it; ONNX Runtime's Python extension, which holds its training runtime).
 
-Needs ``pip install onnxruntime-training "onnx<1.18"`` (not relaxgrad dependencies; onnxruntime-training
-1.19, the last release, loads models of ONNX IR version 10 at most). Run from the
+Needs ``pip install onnxruntime-training "onnx<1.18"`` (not relaxgrad dependencies;
+onnxruntime-training 1.19, the last release, loads models of ONNX IR version 10 at most). Run from the
 repository root: ``python bench/deploy.py [--models mlp cnn] [--threads 2]``.
 """
 
@@ -50,7 +50,8 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy as np
 import runner
-data, check, steps, runs = np.load(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+data = np.load(sys.argv[2])
+check, steps, runs = (int(a) for a in sys.argv[3:6])
 r = runner.Runner(sys.argv[1])
 b = r.manifest["batch_size"]
 def batch(i):
@@ -153,9 +154,10 @@ def export_onnxruntime(net, x, folder: Path) -> None:
                       training=torch.onnx.TrainingMode.TRAINING)  # fmt: skip
     model = onnx.load(str(path))
     names = [p.name for p in model.graph.initializer]
-    artifacts.generate_artifacts(model, requires_grad=names, loss=artifacts.LossType.CrossEntropyLoss,
-                                 optimizer=artifacts.OptimType.SGD,
-                                 artifact_directory=str(folder))  # fmt: skip
+    artifacts.generate_artifacts(
+        model, requires_grad=names, loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=artifacts.OptimType.SGD, artifact_directory=str(folder),
+    )  # fmt: skip
     path.unlink()  # the artifacts hold the weights
 
 

@@ -10,12 +10,12 @@ would launch one kernel per input element for it, so :class:`FullReduction` come
 CPU targets (by default this machine's CPU, :func:`host_target`) first rewrite, before
 legalization, 2-D convolutions and their gradients into im2col/col2im gathers and matmuls
 (:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of OpenBLAS's
-``sgemm`` (:class:`MatmulToBLAS`; the ``scipy-openblas32`` wheel's, for this machine's CPU). Then :class:`ScheduleCPU`: ``tvm.compile``
-leaves every CPU PrimFunc as naive single-threaded loops, so a 1024-wide matmul runs about 100
-times slower than it could. :class:`TiledMatmul` gives the remaining matmuls (with their fused
-epilogues) register tiles, a packed panel of the right operand, vectorization and threads;
-:class:`ParallelLoops` parallelizes and vectorizes the rest. A PrimFunc that no rule schedules
-is built as it is.
+``sgemm`` (:class:`MatmulToBLAS`; the ``scipy-openblas32`` wheel's, for this machine's CPU).
+Then :class:`ScheduleCPU`: ``tvm.compile`` leaves every CPU PrimFunc as naive single-threaded
+loops, so a 1024-wide matmul runs about 100 times slower than it could. :class:`TiledMatmul`
+gives the remaining matmuls (with their fused epilogues) register tiles, a packed panel of the
+right operand, vectorization and threads; :class:`ParallelLoops` parallelizes and vectorizes the
+rest. A PrimFunc that no rule schedules is built as it is.
 
 ``relaxgrad.compile`` is the function; targets and pipelines live here, the schedule steps and
 their rules in ``relaxgrad.schedules``. Both kinds of

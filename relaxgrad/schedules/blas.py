@@ -6,22 +6,23 @@ into ``R.call_tir`` of a small PrimFunc that calls ``scipy_cblas_sgemm`` (``T.ca
 before legalization. The OpenBLAS is the one of the ``scipy-openblas32`` wheel, a dependency
 made to give Python packages an OpenBLAS with a documented library path
 (:func:`library_path`): the process loads it here, and a library exported from the
-executable links it (:func:`link_options`), so that it runs without relaxgrad. A ``permute_dims`` of the last two
-axes feeding the matmul becomes a transpose flag of ``sgemm``, and the gradient of a shared
-weight, ``collapse_sum_to(matmul(permute(x), g))`` over a batch, one sgemm over the stacked
-rows of ``x`` and ``g``. The backward of linear layers reading one input (an attention's q,
-k and v projections) runs on the concatenation of their output gradients: one gemm for the
-input's gradient, one for the weights' (:class:`_ConcatenatedProducts`).
+executable links it (:func:`link_options`), so that it runs without relaxgrad.
+
+A ``permute_dims`` of the last two axes feeding the matmul becomes a transpose flag of
+``sgemm``, and the gradient of a shared weight, ``collapse_sum_to(matmul(permute(x), g))`` over
+a batch, one sgemm over the stacked rows of ``x`` and ``g``. The backward of linear layers
+reading one input (an attention's q, k and v projections) runs on the concatenation of their
+output gradients: one gemm for the input's gradient, one for the weights'
+(:class:`_ConcatenatedProducts`).
 
 The batch, or else the rows of the result, are split over a ``T.parallel`` loop: the gemms run
 on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded (each gemm
 PrimFunc sets it so before its loop, which costs a few nanoseconds, also in a process that never
-imported relaxgrad). (Python
-threads, or OpenBLAS's, competed with TVM's workers, which spin for a while after each
-kernel: a 4x1024 MLP's step took twice as long.) The library is loaded with ``RTLD_GLOBAL``
-so that code compiled in this process finds the symbol; where the wheel is not installed, or
-the target's CPU is not this machine's kind (a cross-compilation), the pass changes nothing and
-TVM's own (scheduled) matmuls run.
+imported relaxgrad). (Python threads, or OpenBLAS's, competed with TVM's workers, which spin for
+a while after each kernel: a 4x1024 MLP's step took twice as long.) The library is loaded with
+``RTLD_GLOBAL`` so that code compiled in this process finds the symbol; where the wheel is not
+installed, or the target's CPU is not this machine's kind (a cross-compilation), the pass
+changes nothing and TVM's own (scheduled) matmuls run.
 
 On x86, each task runs its sgemm calls with denormals flushed to zero (the FTZ and DAZ bits of
 its thread's MXCSR, restored after), as TensorFlow's and XLA's CPU kernels do: OpenBLAS runs
@@ -36,7 +37,6 @@ import math
 import os
 import platform
 
-import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule, Op
@@ -122,10 +122,10 @@ def available(target=None) -> bool:
     if SGEMM is None:
         return False
     target = target if target is not None else tvm.target.Target.current(allow_none=True)
-    return target is None or _same_arch(target)
+    return target is None or native_arch(target)
 
 
-def _same_arch(target) -> bool:
+def native_arch(target) -> bool:
     """Whether an ``llvm`` target's triple (none: this machine's) names this machine's CPU."""
     if target.kind.name != "llvm":
         return False

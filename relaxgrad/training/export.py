@@ -56,7 +56,7 @@ def export_trainer(trainer, folder, target=None) -> dict:
         target = resolve_target(target)
         executable = trainer.compile_for(target)
     library = os.path.join(folder, LIBRARY)
-    executable.export_library(library)
+    executable.export_library(library, **_linker(target))
     shipped = None
     if isinstance(executable, Executable) and executable.blas_linked:
         shipped = os.path.basename(blas.library_path())
@@ -69,6 +69,20 @@ def export_trainer(trainer, folder, target=None) -> dict:
     with open(os.path.join(folder, runtime_runner.MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _linker(target: tvm.target.Target) -> dict:
+    """``export_library``'s arguments for ``target``: for another CPU architecture (an ``llvm``
+    target with its ``mtriple``), its GNU cross compiler ``<mtriple>-gcc``."""
+    if target.kind.name != "llvm" or blas.native_arch(target):
+        return {}
+    compiler = f"{target.attrs['mtriple']}-gcc"
+    if shutil.which(compiler) is None:
+        raise ValueError(f"Trainer.export: linking for {target.attrs['mtriple']} needs the cross "
+                         f"compiler {compiler} (e.g. Debian's gcc-aarch64-linux-gnu)")
+    from tvm.support import cc
+
+    return {"fcompile": cc.cross_compiler(compiler)}
 
 
 def _manifest(trainer, target: tvm.target.Target, shipped: str | None) -> dict:

@@ -241,7 +241,8 @@ class Trainer:
         """Write training artifacts that run with TVM's runtime alone, without relaxgrad:
         the compiled library, the state in :meth:`save`'s format, a manifest and a runner
         (:mod:`relaxgrad.training.export`); :meth:`load` resumes from the state the runner
-        writes back.
+        writes back. The runner takes one optimizer step per batch of the compiled size (no
+        ``accumulate``).
 
         Parameters
         ----------

@@ -156,9 +156,9 @@ def test_cpp_example_trains_like_the_trainer(exported, cpp_train, tmp_path):
     _assert_state_matches(trainer, out)
 
 
-def test_cuda_artifacts_build_without_a_gpu(tmp_path):
-    model, optimizer, _ = _model("mlp")
-    trainer = Trainer.for_model(model, CrossEntropyLoss(), optimizer, target="llvm")
+@pytest.mark.parametrize("exported", ["mlp"], indirect=True)
+def test_cuda_artifacts_build_without_a_gpu(exported, tmp_path):
+    trainer = exported[0]
     manifest = trainer.export(tmp_path, target={"kind": "cuda", "arch": "sm_90"})
     assert manifest == json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["device"] == "cuda" and json.loads(manifest["target"])["kind"] == "cuda"
@@ -167,4 +167,28 @@ def test_cuda_artifacts_build_without_a_gpu(tmp_path):
     library = (tmp_path / manifest["library"]).read_bytes()
     assert b"main_loss_adjoint" in library and b"fused_adam_update_kernel" in library
     arrays, meta = read_state(tmp_path / manifest["state"])
-    assert meta["steps"] == 0 and sorted(arrays) == sorted(trainer.state_arrays()[0])
+    assert meta["steps"] == trainer.steps and sorted(arrays) == sorted(trainer.state_arrays()[0])
+
+
+AARCH64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None,
+                    reason="no aarch64 cross compiler (Debian: gcc-aarch64-linux-gnu, "
+                           "libc6-dev-arm64-cross)")  # fmt: skip
+@pytest.mark.parametrize("exported", ["mlp"], indirect=True)
+def test_aarch64_artifacts_cross_compile_without_openblas(exported, tmp_path):
+    manifest = exported[0].export(tmp_path, target=AARCH64)
+    library = (tmp_path / manifest["library"]).read_bytes()
+    assert library[:4] == b"\x7fELF" and int.from_bytes(library[18:20], "little") == 183  # arm64
+    assert manifest["blas"] is None and b"scipy_cblas_sgemm" not in library  # TVM's own gemms
+    assert manifest["device"] == "cpu" and json.loads(manifest["target"])["mtriple"] == (
+        "aarch64-linux-gnu")
+
+
+def test_cross_export_without_a_cross_compiler_says_which(monkeypatch):
+    from relaxgrad.training import export
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="aarch64-linux-gnu-gcc"):
+        export._linker(tvm.target.Target(AARCH64))
