@@ -192,3 +192,26 @@ def test_cross_export_without_a_cross_compiler_says_which(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="aarch64-linux-gnu-gcc"):
         export._linker(tvm.target.Target(AARCH64))
+
+
+def test_runner_updates_buffers_like_the_trainer(tmp_path):
+    """A model with buffers the step replaces (train-mode BatchNorm's running statistics): the
+    runner passes them as arguments and keeps the loss function's new values."""
+    torch = pytest.importorskip("torch")
+    from relaxgrad.training import SGD, from_torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                              torch.nn.ReLU(), torch.nn.Linear(16, 4))  # fmt: skip
+    trainer = Trainer.for_model(from_torch(net, (torch.zeros(8, 8),)), CrossEntropyLoss(),
+                                SGD(0.1), target="llvm")  # fmt: skip
+    manifest = trainer.export(tmp_path)
+    assert manifest["updates"] and [a["kind"] for a in manifest["arguments"]].count("buffer") == 3
+    runner = Runner(tmp_path)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = rng.standard_normal((8, 8)).astype("float32"), rng.integers(0, 4, 8)
+        np.testing.assert_allclose(runner.step(x, y), trainer.step(x, y), rtol=1e-5)
+    runner.save()
+    _assert_state_matches(trainer, tmp_path / manifest["state"], steps=3)
+    assert not np.allclose(trainer.buffers["1.running_mean"], 0)  # the statistics moved
