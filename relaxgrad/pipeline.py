@@ -108,7 +108,7 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
         built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
-        return Executable(built.mod, blas.available(target))
+        return Executable(built.mod, blas.available(target) and blas.called_in(built.mod))
     return tvm.compile(mod, target)
 
 
@@ -122,8 +122,7 @@ class Executable(relax.VMExecutable):
     mod : tvm.runtime.Module
         The VM executable's module.
     blas_linked : bool
-        Whether the code may call OpenBLAS (the wheel was found and the target is this
-        machine's architecture).
+        Whether the code calls OpenBLAS.
     """
 
     def __init__(self, mod: tvm.runtime.Module, blas_linked: bool):

@@ -76,6 +76,14 @@ def _load_sgemm() -> str | None:
     return "scipy_cblas_sgemm"
 
 
+def called_in(module: tvm.runtime.Module) -> bool:
+    """Whether the compiled code of ``module`` (an executable's, built in this process) calls
+    :data:`SGEMM`."""
+    return SGEMM is not None and any(
+        SGEMM in m.inspect_source("ll") for m in module.imports if m.kind == "llvm"
+    )
+
+
 def link_options() -> list[str]:
     """Linker options that make a shared library exported from an executable with sgemm calls
     find OpenBLAS by itself: ``-l`` of :func:`library_path`, and run paths of the exported

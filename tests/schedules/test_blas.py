@@ -433,3 +433,9 @@ def test_exported_library_runs_with_the_runtime_alone(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "COMPILER False OPENBLAS True" in done.stdout
+
+
+def test_only_executables_calling_openblas_link_it():
+    small = relaxgrad.compile(_module((8, 8), (8, 8), False, False))
+    large = relaxgrad.compile(_module(*CASES[0]))
+    assert not small.blas_linked and large.blas_linked
