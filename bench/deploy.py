@@ -22,8 +22,8 @@ device needs (``libtvm_runtime`` and ``libtvm_ffi``, plus the shipped OpenBLAS w
 calls it; ONNX Runtime's Python extension, which holds its training runtime).
 
 Needs ``pip install onnxruntime-training "onnx<1.18"`` (not relaxgrad dependencies;
-onnxruntime-training 1.19, the last release, loads models of ONNX IR version 10 at most). Run from the
-repository root: ``python bench/deploy.py [--models mlp cnn] [--threads 2]``.
+onnxruntime-training 1.19, the last release, loads models of ONNX IR version 10 at most). Run
+from the repository root: ``python bench/deploy.py [--models mlp cnn] [--threads 2]``.
 """
 
 from __future__ import annotations

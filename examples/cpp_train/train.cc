@@ -33,7 +33,9 @@ using Params = ffi::Map<ffi::String, Tensor>;
 static const char* kMeta = "__relaxgrad_meta__";
 
 struct CPUAlloc {  // host memory for the tensors made here
-  void AllocData(DLTensor* t) { t->data = std::aligned_alloc(64, (ffi::GetDataSize(*t) + 63) / 64 * 64); }
+  void AllocData(DLTensor* t) {
+    t->data = std::aligned_alloc(64, (ffi::GetDataSize(*t) + 63) / 64 * 64);
+  }
   void FreeData(DLTensor* t) { std::free(t->data); }
 };
 
