@@ -219,7 +219,8 @@ def bench(name: str, args, root: Path) -> dict:
     ort_files = [p for p in ort_dir.rglob("*") if p.is_file()]
     return {"tvm_losses": tvm["losses"], "ort_losses": ort["losses"], "tvm_times": tvm_times,
             "ort_times": ort_times, "tvm_size": size(tvm_files), "ort_size": size(ort_files),
-            "library": size([tvm_dir / manifest["library"]]), "sizes": runtime_sizes(tvm_dir)}
+            "library": size([tvm_dir / manifest["library"]]), "sizes": runtime_sizes(tvm_dir),
+            "blas": bool(manifest["blas"])}
 
 
 def main() -> None:
@@ -232,8 +233,8 @@ def main() -> None:
         for i, (a, b) in enumerate(zip(r["tvm_losses"], r["ort_losses"])):
             print(f"  step {i + 1:2d}: {a:.6f}  {b:.6f}  rel. diff {abs(a - b) / abs(b):.1e}")
     print(f"\n| model | step, relaxgrad (TVM runtime) | step, ONNX Runtime | ratio | artifacts, "
-          f"relaxgrad | artifacts, ONNX Runtime | max rel. loss diff |")
-    print("|---|---|---|---|---|---|---|")
+          f"relaxgrad | artifacts, ONNX Runtime | max rel. loss diff | calls OpenBLAS |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         tvm_ms = statistics.median(r["tvm_times"]) * 1e3
         ort_ms = statistics.median(r["ort_times"]) * 1e3
@@ -242,8 +243,10 @@ def main() -> None:
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["tvm_losses"], r["ort_losses"]))
         print(f"| {name} | {tvm_ms:.2f} ms {spread[0]} | {ort_ms:.2f} ms {spread[1]} | "
               f"{tvm_ms / ort_ms:.2f} | {r['tvm_size'] / mb:.1f} MB (library "
-              f"{r['library'] / mb:.2f} MB) | {r['ort_size'] / mb:.1f} MB | {diff:.1e} |")
-    runtime, blas, ort = next(iter(results.values()))["sizes"]
+              f"{r['library'] / mb:.2f} MB) | {r['ort_size'] / mb:.1f} MB | {diff:.1e} | "
+              f"{'yes' if r['blas'] else 'no'} |")
+    runtime, _, ort = next(iter(results.values()))["sizes"]
+    blas = max(r["sizes"][1] for r in results.values())
     print(f"\nruntime: TVM {runtime / mb:.1f} MB (libtvm_runtime + libtvm_ffi), plus OpenBLAS "
           f"{blas / mb:.1f} MB where the library calls it; ONNX Runtime {ort / mb:.1f} MB "
           f"(its Python extension, training included)")
