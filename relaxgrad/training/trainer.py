@@ -121,8 +121,9 @@ class Trainer:
         self.updates = tuple(updates)
         if target is None:
             target = relaxgrad.pipeline.host_target()
-        self.device = rank_device(_device(target), distributed)
-        self.vm = relax.VirtualMachine(_compile(self.mod, target, cache, progress), self.device)
+        self.device, self.target = rank_device(_device(target), distributed), target
+        self.executable = _compile(self.mod, target, cache, progress)
+        self.vm = relax.VirtualMachine(self.executable, self.device)
 
         names = [p.name for p in model[func_name].params]
         loss_func = self.mod[f"{func_name}_loss"]
@@ -270,6 +271,33 @@ class Trainer:
     def _optim_names(self) -> list[str]:
         slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
         return ["optim:step", *slots]
+
+    def export(self, folder, target=None) -> dict:
+        """Write training artifacts that run with TVM's runtime alone, without relaxgrad:
+        the compiled library, the state in :meth:`save`'s format, a manifest and a runner
+        (:mod:`relaxgrad.training.export`); :meth:`load` resumes from the state the runner
+        writes back. The runner takes one optimizer step per batch of the compiled size (no
+        ``accumulate``).
+
+        Parameters
+        ----------
+        folder : str or os.PathLike
+            Where to write them (created if missing).
+        target : str, dict or tvm.target.Target, optional
+            Build for this target (e.g. ``"cuda"``) instead of exporting this Trainer's code.
+
+        Returns
+        -------
+        dict
+            The manifest (also in ``folder/manifest.json``).
+        """
+        from .export import export_trainer
+
+        return export_trainer(self, folder, target)
+
+    def compile_for(self, target) -> relax.VMExecutable:
+        """This Trainer's module (:func:`training_module`) compiled for ``target``."""
+        return _compile(self.mod, target)
 
     def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """The loss and the gradients on one minibatch, without updating anything.
