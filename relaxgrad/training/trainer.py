@@ -297,7 +297,7 @@ class Trainer:
 
     def compile_for(self, target) -> relax.VMExecutable:
         """This Trainer's module (:func:`training_module`) compiled for ``target``."""
-        return _compile(self.mod, target)
+        return _compile(self.mod, target, cache=True, progress=True)
 
     def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """The loss and the gradients on one minibatch, without updating anything.
