@@ -18,6 +18,7 @@ from tvm.relax import Function, Var
 from .. import _ty
 from .._module import with_function
 from ..errors import GradientError
+from ..ops import random
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
 from .custom import CUSTOM_GRADIENT_ATTR, custom_vjp
@@ -250,11 +251,17 @@ def _seed_params(request: Request, targets: list) -> list:
 # -- checkpoint decision -----------------------------------------------------------------------
 def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> None:
     """Set ``info.checkpoints`` with the request's policy; values that cannot be recomputed
-    (match_cast, If, calls of functions, impure calls) are always kept."""
+    (match_cast, If, calls of functions, impure calls) are always kept, random masks never
+    (each is a pure function of its key)."""
     if request.checkpoint != "markers":
         from .policies import decide
 
         info.checkpoints = decide(request.checkpoint, info, params, targets)
+    masks = {b.var for b in info.bindings if random.is_mask(b.value, mod)}
+    if masks:  # recomputed from the key: split mode's residual is the key, not the mask
+        if info.checkpoints is None:
+            info.checkpoints = {b.var for b in info.bindings} | set(params)
+        info.checkpoints -= masks
     if info.checkpoints is None:
         return
     for b in info.bindings:
