@@ -33,7 +33,8 @@ from .. import _ty
 from ..errors import GradientError
 
 __all__ = [
-    "KEY_TYPE", "MASK_ATTR", "bernoulli", "dropout", "is_mask", "keep_mask", "philox4x32",
+    "KEY_TYPE", "MASK_ATTR", "bernoulli", "dropout", "is_key", "is_mask", "keep_mask",
+    "philox4x32",
 ]
 
 #: The type of a key: two ``uint32`` words.
@@ -131,9 +132,17 @@ def _element_bits(key: te.Tensor, shape, idx, site: int, finish) -> tirx.PrimExp
     return philox4x32(counter, [key[0], key[1]], select)
 
 
+def is_key(expr_or_ty) -> bool:
+    """Whether an expr or type is a key: a ``(2,)`` uint32 tensor (:data:`KEY_TYPE`)."""
+    if not _ty.is_tensor(expr_or_ty) or _ty.dtype_of(expr_or_ty) != "uint32" \
+            or _ty.shape_of(expr_or_ty) is None:
+        return False
+    dims = _ty.shape_values(expr_or_ty)
+    return len(dims) == 1 and isinstance(dims[0], tirx.IntImm) and int(dims[0]) == 2
+
+
 def _check(x: Expr, key: Expr, rate: float, what: str) -> None:
-    if not _ty.is_tensor(key) or _ty.dtype_of(key) != "uint32" or _ty.shape_of(key) is None \
-            or [int(d) for d in _ty.shape_values(key)] != [2]:
+    if not is_key(key):
         raise GradientError(f"{what}: the key must be a (2,) uint32 tensor, not "
                             f"{_ty.type_of(key)}")
     if not _ty.is_float_tensor(x) or _ty.shape_of(x) is None:

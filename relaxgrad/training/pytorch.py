@@ -244,9 +244,7 @@ def _check_random(program, dropout: str) -> None:
             continue
         name = getattr(node.target, "__name__", "")
         tags = getattr(node.target, "tags", ())
-        if name.startswith("scaled_dot_product") and _arg(node, 4, "dropout_p", 0.0):
-            refused.append(f"{node.name} ({name} with dropout_p > 0)")
-        elif name in _RANDOM_OPS:
+        if name in _RANDOM_OPS:
             if name == "bernoulli.p" or (_arg(node, 2, "train", True) and _arg(node, 1, "p", 0.5)):
                 found = f"{node.name} ({name}, p={_arg(node, 1, 'p', 0.5)})"
                 (refused if dropout == "eval" else dropping).append(found)

@@ -13,6 +13,7 @@ import relaxgrad
 
 from .. import _ty
 from .._module import with_function
+from ..ops import random
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
@@ -494,11 +495,9 @@ def _check_key(model: IRModule, func_name: str, eval_func: str, key: str | None,
     params = {p.name: p for p in model[func_name].params}
     if key not in params:
         raise ValueError(f"Trainer: {func_name} has no key parameter {key!r}")
-    ty = params[key].ty
-    if not _ty.is_tensor(ty) or _ty.dtype_of(ty) != "uint32" or _ty.shape_of(ty) is None \
-            or [int(d) for d in _ty.shape_values(ty)] != [2]:
+    if not random.is_key(params[key]):
         raise ValueError(f"Trainer: the key parameter {key!r} of {func_name} must be a (2,) "
-                         f"uint32 tensor, not {ty}")
+                         f"uint32 tensor, not {params[key].ty}")
     if eval_func == func_name or key in {p.name for p in model[eval_func].params}:
         raise ValueError(f"Trainer: the model takes a random key {key!r}, so it needs an "
                          f"evaluation function without it (eval_func), not {eval_func}")

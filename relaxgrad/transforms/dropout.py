@@ -51,7 +51,8 @@ class KeyDropout:
     key : str
         Name of the new last parameter, a ``(2,)`` uint32 tensor
         (:data:`relaxgrad.ops.random.KEY_TYPE`): pass a new value at every training step
-        (``Trainer(..., key=key)`` does).
+        (``Trainer(..., key=key, eval_func=...)`` does, with the function as it was before this
+        pass, or another without the key, to evaluate).
 
     Examples
     --------
