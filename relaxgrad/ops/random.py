@@ -172,9 +172,8 @@ def is_mask(value: Expr, mod) -> bool:
     of its key, cheap to recompute)."""
     if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
         return False
-    gv = value.args[0]
-    names = {g.name_hint for g in mod.get_global_vars()}
-    return gv.name_hint in names and bool((mod[gv].attrs or {}).get(MASK_ATTR, False))
+    func = mod.functions.get(value.args[0])
+    return func is not None and bool((func.attrs or {}).get(MASK_ATTR, False))
 
 
 def dropout(

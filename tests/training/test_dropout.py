@@ -277,3 +277,29 @@ def test_bad_keys_and_seeds_are_named(setup, kwargs, message):
     _, model, _, _, _ = setup
     with pytest.raises(ValueError, match=message):
         Trainer(model.mod, model.params, MSELoss(), SGD(0.1), **kwargs)
+
+
+def test_feature_alpha_dropout_draws_from_the_key():
+    class Alpha(nn.Module):
+        def forward(self, x):
+            return nn.functional.feature_alpha_dropout(x, 0.5, self.training)
+
+    x = torch.randn(4, 6, 3)
+    model = from_torch(Alpha(), (x,))
+    assert model.key == "dropout_key"
+    vm = relax.VirtualMachine(tvm.compile(model.mod, "llvm"), tvm.cpu())
+    outs = [vm[model.func_name](tvm.runtime.tensor(x.numpy()),
+                                tvm.runtime.tensor(np.array([0, k], "uint32")))[0].numpy()
+            for k in (0, 0, 1)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert not np.array_equal(outs[0], outs[2])
+    # PyTorch's formula: x * a * m + alpha * a * (m - 1 + p), one m in {0, 1} per channel
+    alpha, p = 1.7580993408473766, 0.5
+    a = 1 / np.sqrt((alpha * alpha * p + 1) * (1 - p))
+    x_np = x.numpy()
+    kept, dropped = x_np * a + alpha * a * p, np.full_like(x_np, alpha * a * (p - 1))
+    is_kept = np.isclose(outs[0], kept, atol=1e-6).all(axis=-1)
+    is_dropped = np.isclose(outs[0], dropped, atol=1e-6).all(axis=-1)
+    assert (is_kept ^ is_dropped).all() and is_kept.any() and is_dropped.any()
+    eval_out = vm[model.eval_func](tvm.runtime.tensor(x.numpy()))[0].numpy()
+    np.testing.assert_allclose(eval_out, x.numpy())
