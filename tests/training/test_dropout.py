@@ -12,8 +12,18 @@ import tvm
 from torch import nn
 from tvm import relax
 
+import relaxgrad
 from relaxgrad.ops import random
-from relaxgrad.training import SGD, Adam, CrossEntropyLoss, MSELoss, Trainer, from_torch
+from relaxgrad.training import (
+    SGD,
+    Adam,
+    CrossEntropyLoss,
+    MSELoss,
+    Trainer,
+    append_loss,
+    from_torch,
+)
+from relaxgrad.transforms import policies
 
 RATES = (0.5, 0.2)
 
@@ -303,3 +313,53 @@ def test_feature_alpha_dropout_draws_from_the_key():
     assert (is_kept ^ is_dropped).all() and is_kept.any() and is_dropped.any()
     eval_out = vm[model.eval_func](tvm.runtime.tensor(x.numpy()))[0].numpy()
     np.testing.assert_allclose(eval_out, x.numpy())
+
+
+# -- checkpointing and split mode on an imported transformer block with dropout ----------------
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    """``main_loss`` of a PyTorch encoder block with dropout 0.2 (four sites), its arguments,
+    the trainable params, and its gradients without checkpointing."""
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+    x = torch.randn(2, 4, 8)
+    model = from_torch(block, (x,))
+    mod = append_loss(model.mod, MSELoss(), model.func_name)
+    func = mod["main_loss"]
+    wrt = [p for p in func.params if p.name in model.params]
+    values = {"src": x.numpy(), "dropout_key": np.array([1, 2], "uint32"), **model.params}
+    args = [values.get(p.name, np.zeros((2, 4, 8), "float32")) for p in func.params[:-1]]
+    args.append(np.random.default_rng(0).standard_normal((2, 4, 8)).astype("float32"))
+    return mod, wrt, args, _loss_gradients(mod, wrt, args, "none")[0]
+
+
+def _loss_gradients(mod, wrt, args, checkpoint, split=False):
+    grad = relaxgrad.Gradient("main_loss", wrt, target_index=0, checkpoint=checkpoint,
+                              split=split)(mod)
+    vm = relax.VirtualMachine(tvm.compile(grad, "llvm"), tvm.cpu())
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    if split:
+        _, saved = vm["main_loss_fwd"](*tensors)
+        return [g.numpy() for g in vm["main_loss_bwd"](*list(saved))], grad
+    return [g.numpy() for g in vm["main_loss_adjoint"](*tensors)[1]], grad
+
+
+@pytest.mark.parametrize("checkpoint", ["markers", "sqrt", "save_dots", policies.budget(0)])
+def test_every_checkpoint_policy_gives_the_gradients_of_none(encoder, checkpoint):
+    mod, wrt, args, expected = encoder
+    grads, _ = _loss_gradients(mod, wrt, args, checkpoint)
+    assert any(g.any() for g in expected)
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_split_mode_gives_the_gradients_of_none_and_saves_the_key(encoder):
+    mod, wrt, args, expected = encoder
+    grads, split = _loss_gradients(mod, wrt, args, "sqrt", split=True)
+    residuals = relaxgrad.split_info(split, "main_loss").residuals
+    assert "dropout_key" in [r.name for r in residuals]
+    assert all(r.dtype != "bool" for r in residuals)
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
