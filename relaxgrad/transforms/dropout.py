@@ -68,13 +68,13 @@ class KeyDropout:
         if self.func_name not in names or not isinstance(mod[self.func_name], relax.Function):
             raise GradientError(f"KeyDropout: the module has no Relax function {self.func_name}")
         func = mod[self.func_name]
-        if self.key in {p.name for p in func.params}:
-            raise GradientError(
-                f"KeyDropout: function {self.func_name} already has a parameter {self.key}")
         key = relax.Var(self.key, random.KEY_TYPE)
         lower = _Lower(mod, key)
         body = lower.visit_expr(func.body)
         if not lower.sites:
             return mod
+        if self.key in {p.name for p in func.params}:
+            raise GradientError(
+                f"KeyDropout: function {self.func_name} already has a parameter {self.key}")
         new = relax.Function([*func.params, key], body, func.ret_ty, func.is_pure, func.attrs)
         return with_function(lower.builder_.get(), self.func_name, new)

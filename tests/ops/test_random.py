@@ -219,8 +219,10 @@ def test_unkeyed_relax_dropout_is_refused_by_the_gradient():
 
 
 def test_key_dropout_lowers_relax_dropout_to_keyed_masks():
-    mod = relaxgrad.transforms.KeyDropout("main")(_relax_dropout())
+    before = _relax_dropout()
+    mod = relaxgrad.transforms.KeyDropout("main")(before)
     assert [p.name for p in mod["main"].params] == ["x", "w", "dropout_key"]
+    assert len(before.get_global_vars()) == 1 and len(before["main"].params) == 2  # untouched
     grad = relaxgrad.Gradient("main", list(mod["main"].params[:2]), target_index=0)(mod)
     vm = relax.VirtualMachine(tvm.compile(grad, "llvm"), tvm.cpu())
     x, w, key = _inputs()
@@ -231,3 +233,14 @@ def test_key_dropout_lowers_relax_dropout_to_keyed_masks():
     torch.tanh((xt @ wt) * torch.from_numpy(mask) / 0.6).sum().backward()
     np.testing.assert_allclose(gx.numpy(), xt.grad.numpy(), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gw.numpy(), wt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_key_dropout_names_what_it_cannot_do():
+    mod = _relax_dropout()
+    with pytest.raises(GradientError, match="KeyDropout: the module has no Relax function nope"):
+        relaxgrad.transforms.KeyDropout("nope")(mod)
+    with pytest.raises(GradientError, match="already has a parameter x"):
+        relaxgrad.transforms.KeyDropout("main", key="x")(mod)
+    keyed = relaxgrad.transforms.KeyDropout("main")(mod)
+    without = relaxgrad.transforms.KeyDropout("main")(keyed)  # no R.nn.dropout left
+    assert without.same_as(keyed)
