@@ -12,8 +12,8 @@ dropout site of a function has its own stream (the site index is counter word 2)
 ``(i // 4, 0, site, 0)`` (so a tensor has at most ``2**34`` elements), and is kept when its top
 24 bits, as a fraction of ``2**24``, are at least the dropout rate.
 
-The gradient pass recomputes a mask from its key rather than keeping it (:data:`MASK_ATTR`), so
-split mode's residual is the 8-byte key, not the mask.
+A checkpoint policy may recompute a mask rather than keep it (it needs only the key), and split
+mode always does (:data:`MASK_ATTR`): its residual is the 8-byte key, not the mask.
 
 No gradient rule is needed: the mask is a ``call_tir`` of the key alone, and ``where``'s rule
 gives its condition no gradient, so the backward of ``where(keep, x * scale, 0)`` is
@@ -43,8 +43,8 @@ KEY_TYPE = relax.TensorType((2,), "uint32")
 _M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 _W = (0x9E3779B9, 0xBB67AE85)  # key schedule (Weyl) increments
 _ROUNDS = 10
-#: Attribute of the PrimFuncs that draw masks: the gradient pass recomputes a mask from its key
-#: instead of keeping it for the backward pass (split mode saves the key, not the mask).
+#: Attribute of the PrimFuncs that draw masks: split mode recomputes a mask from its key instead
+#: of keeping it for the backward pass (it saves the key, not the mask).
 MASK_ATTR = "relaxgrad.random_mask"
 _BITS = 24  # random bits per element compared with the rate
 _CALL_TIR = Op.get("relax.call_tir")

@@ -249,15 +249,15 @@ def _seed_params(request: Request, targets: list) -> list:
 
 
 # -- checkpoint decision -----------------------------------------------------------------------
-def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> None:
+def _decide(request: Request, info: CheckpointInfo, params, targets, mod, split: bool) -> None:
     """Set ``info.checkpoints`` with the request's policy; values that cannot be recomputed
-    (match_cast, If, calls of functions, impure calls) are always kept, random masks never
-    (each is a pure function of its key)."""
+    (match_cast, If, calls of functions, impure calls) are always kept; in ``split`` mode random
+    masks never are (each is a pure function of its key, the residual instead)."""
     if request.checkpoint != "markers":
         from .policies import decide
 
         info.checkpoints = decide(request.checkpoint, info, params, targets)
-    masks = {b.var for b in info.bindings if random.is_mask(b.value, mod)}
+    masks = {b.var for b in info.bindings if split and random.is_mask(b.value, mod)}
     if masks:  # recomputed from the key: split mode's residual is the key, not the mask
         if info.checkpoints is None:
             info.checkpoints = {b.var for b in info.bindings} | set(params)
@@ -414,7 +414,7 @@ def _differentiate(
         if seed_params:
             bb.end_scope()
             bb.begin_scope(params + seed_params)
-        _decide(request, info, params, targets, mod)
+        _decide(request, info, params, targets, mod, split=forward_keys is not None)
         if forward_keys is not None:
             forward_keys.update(_ty.key(b.var) for b in info.bindings)
         if request.require_grads is None:
