@@ -51,6 +51,10 @@ class Model:
     torch_state : bool
         Whether ``Trainer.state_dict()`` returns ``torch.Tensor`` values (for
         ``module.load_state_dict``) instead of numpy arrays.
+    key : str, optional
+        The parameter of the model function that takes the random key (a ``(2,)`` uint32
+        tensor, see :mod:`relaxgrad.ops.random`), which the Trainer feeds a new value every
+        step; the evaluation function has no such parameter.
     """
 
     mod: tvm.IRModule
@@ -61,6 +65,7 @@ class Model:
     eval_func: str | None = None
     state_keys: tuple[str, ...] | None = None
     torch_state: bool = False
+    key: str | None = None
 
     @property
     def batch_size(self) -> int | None:

@@ -14,6 +14,7 @@ import relaxgrad
 
 from .. import _ty
 from .._module import with_function
+from ..ops import random
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
@@ -84,6 +85,14 @@ class Trainer:
         :class:`~relaxgrad.training.distributed.DataParallel`. Each rank's batch is its shard;
         :meth:`fit` shards the data by rank, and gradients, losses and :meth:`evaluate` are
         averaged over the ranks.
+    key : str, optional
+        The parameter of the model function that takes a random key (a ``(2,)`` uint32
+        tensor, e.g. ``dropout_key`` of :func:`from_torch`): every call of the train-mode
+        function (each step, each micro-batch) gets a new one, ``(seed, counter)`` with the
+        counter counting up from 0, so runs from the same seed draw the same masks. The
+        evaluation function must not take it (:meth:`predict` runs without dropout).
+    seed : int
+        The seed of the keys, in ``[0, 2**32)``.
 
     Examples
     --------
@@ -112,8 +121,11 @@ class Trainer:
         cache: bool = True,
         progress: bool = True,
         distributed=False,
+        key: str | None = None,
+        seed: int = 0,
     ):
         buffers = dict(buffers or {})
+        _check_key(model, func_name, eval_func or func_name, key, seed)
         _check_updates(model, func_name, buffers, updates)
         self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type)
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
@@ -129,9 +141,12 @@ class Trainer:
         loss_func = self.mod[f"{func_name}_loss"]
         self._param_pos = [i for i, name in enumerate(names) if name in params]
         self._buffer_pos = [i for i, name in enumerate(names) if name in buffers]
+        self._key_pos = names.index(key) if key is not None else None
         self._input_pos = [
-            i for i, name in enumerate(names) if name not in params and name not in buffers
+            i for i, name in enumerate(names)
+            if name not in params and name not in buffers and name != key
         ]
+        self.seed, self.key_counter = seed, 0  # the next key is (seed, key_counter)
         self._inputs = [loss_func.params[i] for i in self._input_pos]
         self._target = loss_func.params[-1]
         self.param_names = [names[i] for i in self._param_pos]
@@ -179,7 +194,7 @@ class Trainer:
         """
         trainer = cls(model.mod, model.params, loss, optimizer, func_name=model.func_name,
                       buffers=model.buffers, updates=model.updates, eval_func=model.eval_func,
-                      **kwargs)
+                      key=model.key, **kwargs)
         trainer.state_keys, trainer.torch_state = model.state_keys, model.torch_state
         return trainer
 
@@ -217,7 +232,8 @@ class Trainer:
         Arrays: ``param:<name>``, ``buffer:<name>``, ``optim:step`` and
         ``optim:<slot>:<param name>`` (the optimizer's state tuple, in order); metadata:
         ``format``, ``steps`` (optimizer steps taken), ``params``, ``buffers``, ``optim``
-        (the array names of the optimizer state, in order), ``optimizer`` (its repr) and, once
+        (the array names of the optimizer state, in order), ``optimizer`` (its repr), ``seed``
+        and ``key_counter`` (the next random key is ``(seed, key_counter)``) and, once
         :meth:`fit` has stepped, ``fit``: where it is (``epoch`` and ``batch``, the next batch
         to run; ``rng``, the shuffling generator's state at the start of that epoch; ``seed``,
         ``shuffle``, ``samples``, ``batch_size``, ``world_size``), from which a :meth:`fit`
@@ -229,7 +245,8 @@ class Trainer:
         arrays.update({n: s.numpy() for n, s in zip(optim_names, self._optim_state)})
         meta = {"format": 1, "steps": self.steps, "params": self.param_names,
                 "buffers": self.buffer_names, "optim": optim_names,
-                "optimizer": repr(self.optimizer)}
+                "optimizer": repr(self.optimizer), "seed": self.seed,
+                "key_counter": self.key_counter}
         if self._fit_state is not None:
             meta["fit"] = self._fit_state
         return arrays, meta
@@ -267,6 +284,8 @@ class Trainer:
         self._optim_state = [tvm.runtime.tensor(arrays[n], to) for n in self._optim_names()]
         self.steps = int(meta["steps"])
         self._fit_state = self._resume = meta.get("fit")
+        self.seed = int(meta.get("seed", self.seed))
+        self.key_counter = int(meta.get("key_counter", 0))
 
     def _optim_names(self) -> list[str]:
         slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
@@ -341,7 +360,8 @@ class Trainer:
         elif self.accumulate > 1:
             value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
         else:
-            args = self._args(inputs) + [self._to_device(target, self._target, "target")]
+            args = self._args(inputs, train=True)
+            args.append(self._to_device(target, self._target, "target"))
             out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
             if self.updates and update_buffers:  # out is (loss, *new buffer values)
                 self._buffers.update(zip(self.updates, list(out)[1:]))
@@ -453,21 +473,34 @@ class Trainer:
             pred = _first(forward(*self._args(batch))).numpy()
             yield (pred if keep_padding else pred[: len(idx)]), idx
 
-    def _args(self, inputs: Inputs) -> list:
-        """The model function's arguments: inputs and parameters in parameter order."""
+    def _args(self, inputs: Inputs, train: bool = False) -> list:
+        """The model function's arguments: inputs and parameters in parameter order; with
+        ``train``, the next random key too (the train-mode function's key parameter)."""
         inputs = _as_tuple(inputs)
         if len(inputs) != len(self._inputs):
             raise ValueError(
                 f"Trainer: {self.func_name} takes {len(self._inputs)} inputs, got {len(inputs)}"
             )
-        args = [None] * (len(self._input_pos) + len(self._param_pos) + len(self._buffer_pos))
+        size = len(self._input_pos) + len(self._param_pos) + len(self._buffer_pos)
+        args = [None] * (size + (self._key_pos is not None))
         for pos, value, var in zip(self._input_pos, inputs, self._inputs):
             args[pos] = self._to_device(value, var, "input")
         for pos, value in zip(self._param_pos, self._params):
             args[pos] = value
         for pos, name in zip(self._buffer_pos, self.buffer_names):
             args[pos] = self._buffers[name]
+        if self._key_pos is None:
+            return args
+        if not train:  # the evaluation function has no key
+            return args[: self._key_pos] + args[self._key_pos + 1 :]
+        args[self._key_pos] = self._next_key()
         return args
+
+    def _next_key(self) -> tvm.runtime.Tensor:
+        """The key ``(seed, key_counter)``; counts the counter up."""
+        key = np.array([self.seed, self.key_counter % 2**32], dtype="uint32")
+        self.key_counter += 1
+        return tvm.runtime.tensor(key, self.device)
 
     def _to_device(self, value, var: relax.Var, what: str) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
@@ -567,6 +600,24 @@ def _resume_point(saved: dict | None, run: dict, rng) -> tuple[int, int]:
     if rng is not None:
         rng.bit_generator.state = saved["rng"]
     return int(saved["epoch"]), int(saved["batch"])
+
+
+def _check_key(model: IRModule, func_name: str, eval_func: str, key: str | None, seed) -> None:
+    """``key`` names a (2,) uint32 parameter of the train function, absent from the (separate)
+    evaluation function; ``seed`` fits in 32 bits."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+        raise ValueError(f"Trainer: seed must be an int in [0, 2**32), not {seed!r}")
+    if key is None:
+        return
+    params = {p.name: p for p in model[func_name].params}
+    if key not in params:
+        raise ValueError(f"Trainer: {func_name} has no key parameter {key!r}")
+    if not random.is_key(params[key]):
+        raise ValueError(f"Trainer: the key parameter {key!r} of {func_name} must be a (2,) "
+                         f"uint32 tensor, not {params[key].ty}")
+    if eval_func == func_name or key in {p.name for p in model[eval_func].params}:
+        raise ValueError(f"Trainer: the model takes a random key {key!r}, so it needs an "
+                         f"evaluation function without it (eval_func), not {eval_func}")
 
 
 def _progress_bar(**kwargs):
