@@ -52,6 +52,7 @@ from .schedules import (
 )
 from .schedules import blas
 from .schedules._common import is_gpu
+from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
 
@@ -212,7 +213,7 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
-    return _pipeline(schedule, [], [], cuda_graph, "relaxgrad.gpu_pipeline")
+    return _pipeline(schedule, [], [WithoutSeqScopes()], cuda_graph, "relaxgrad.gpu_pipeline")
 
 
 def cpu_pipeline(
@@ -244,7 +245,8 @@ def cpu_pipeline(
     before = [ConvToMatmul(summed), MatmulToBLAS(), MeanAsSum(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
-        schedule, before, [SerialVectorLoops(), FastMath()], [], "relaxgrad.cpu_pipeline",
+        schedule, before, [SerialVectorLoops(), FastMath(), WithoutSeqScopes()], [],
+        "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),
             DuplicateCheapProducers(),

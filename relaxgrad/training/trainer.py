@@ -640,22 +640,25 @@ def _names(mod: IRModule) -> set[str]:
 def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExecutable:
     """``relaxgrad.compile``, with a line showing the time spent once it takes over
     :data:`PROGRESS_DELAY` seconds."""
-    bar = _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
-                        delay=PROGRESS_DELAY, disable=not progress, leave=False)
     stop = threading.Event()
 
-    def tick():
-        while not stop.wait(0.5):
-            bar.refresh()
+    def show():
+        if stop.wait(PROGRESS_DELAY):
+            return
+        with _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
+                           leave=False) as bar:
+            while not stop.wait(1.0):
+                bar.refresh()
 
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
+    ticker = threading.Thread(target=show, daemon=True) if progress else None
+    if ticker is not None:
+        ticker.start()
     try:
         return relaxgrad.compile(mod, target, cache=cache)
     finally:
         stop.set()
-        ticker.join()
-        bar.close()
+        if ticker is not None:
+            ticker.join()
 
 
 def _device(target) -> tvm.runtime.Device:
