@@ -16,6 +16,7 @@ from . import _ty
 from .transforms.policies import ALIAS_OPS, FREE_OPS, Program, program_from_function
 
 __all__ = [
+    "count_bindings",
     "estimate_activation_bytes",
     "live_peak_bytes",
     "planned_memory",
@@ -286,3 +287,10 @@ def replay_memory_plan(program: Program) -> dict[str, int]:
     total = sum(storage_bytes)
     other = sum(b for s, b in enumerate(storage_bytes) if s not in out)
     return {"outputs": total - other, "other": other, "total": total}
+
+
+def count_bindings(func: relax.Function) -> int:
+    """The number of bindings in ``func``'s body (all its blocks), a size measure of a Relax
+    function before lowering (e.g. an adjoint against its forward)."""
+    body = func.body
+    return sum(len(block.bindings) for block in getattr(body, "blocks", ()))

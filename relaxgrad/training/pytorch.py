@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule
@@ -40,6 +41,7 @@ from tvm.relax import op
 
 from .. import _ty
 from .._module import with_function
+from ..transforms import stop_gradient
 from .models import Model
 
 __all__ = ["from_torch"]
@@ -105,16 +107,21 @@ def from_torch(
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
     buffer_keys = [name for name, _ in module.named_buffers()]
     input_names = _input_names(module, len(example_inputs))
+    aliases = _tied_names(module)
 
     modes = {m: m.training for m in module.modules()}
+    attention = _eager_attention(module)
     try:
         if not module.training:  # a module in train mode keeps its submodules' own modes
             module.train()
-        train = _import(module, example_inputs, input_names, buffer_keys, dropout)
-        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout)
+        train = _import(module, example_inputs, input_names, buffer_keys, dropout, aliases)
+        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout,
+                             aliases)
     finally:
         for submodule, training in modes.items():
             submodule.training = training
+        for config, implementation in attention:
+            config._attn_implementation = implementation
 
     names = input_names + param_keys + buffer_keys
     train = _with_param_names(*train, names, len(example_inputs))
@@ -134,8 +141,36 @@ def from_torch(
         updates=tuple(buffer_keys),
         eval_func=eval_func,
         state_keys=tuple(state),
+        aliases={k: v for k, v in aliases.items() if k in state},
         torch_state=True,
     )
+
+
+def _tied_names(module) -> dict[str, str]:
+    """Every other name of a parameter or buffer that the module holds under several names
+    (tied weights, e.g. ``lm_head.weight`` is ``transformer.wte.weight``) -> its first name."""
+    first, aliases = {}, {}
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        canonical = first.setdefault(id(tensor), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def _eager_attention(module) -> list[tuple]:
+    """Switch the Hugging Face ``transformers`` configs of ``module`` to eager attention (the
+    same function as SDPA, which torch.export cannot trace); returns the configs changed and
+    their implementations, for restoring."""
+    changed = []
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in (None, "eager"):
+            changed.append((config, implementation))
+            config._attn_implementation = "eager"
+    return changed
 
 
 def _input_names(module, count: int) -> list[str]:
@@ -148,10 +183,12 @@ def _input_names(module, count: int) -> list[str]:
     return [plain[i] if i < len(plain) else f"input{i}" for i in range(count)]
 
 
-def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str):
+def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str,
+            aliases: dict[str, str]):
     """``main(*inputs, *buffers, *params)`` of ``module`` in its current mode, returning
     ``(output, *buffers after the forward pass)``, and the renames of its parameters
-    (exported name -> input name or ``state_dict`` key)."""
+    (exported name -> input name or ``state_dict`` key; the first name of a tied parameter,
+    by ``aliases``)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -168,7 +205,7 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
     mod = from_exported_program(
         program,
         keep_params_as_input=True,
-        custom_convert_map={"_native_batch_norm_legit_functional.default": _batch_norm_train},
+        custom_convert_map=_CONVERTERS,
         run_ep_decomposition=False,
     )
     func = mod["main"]
@@ -181,7 +218,8 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
     renames = {}
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
-            renames[spec.arg.name] = spec.target.removeprefix("module.")
+            target = spec.target.removeprefix("module.")
+            renames[spec.arg.name] = aliases.get(target, target)
     user = [spec.arg.name for spec in program.graph_signature.input_specs
             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     renames.update(zip(user[len(example_inputs):], buffer_keys))
@@ -272,17 +310,70 @@ def _batch_norm_train(node, importer) -> relax.Expr:
     return bb.emit(relax.Tuple([out, mean, rstd, new_mean, new_var]))
 
 
+def _cat(node, importer) -> relax.Expr:
+    """``cat(tensors, dim)``, skipping PyTorch's legacy empty tensors (shape ``(0,)``), which
+    ``torch.cat`` accepts beside tensors of any rank (Hugging Face's empty key/value caches);
+    TVM's converter refuses the mixed ranks."""
+    tensors = [importer.env[t] for t in node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    kept = [t for t in tensors if not _is_legacy_empty(t)] or tensors[:1]
+    if len(kept) == 1:
+        return kept[0]
+    return importer.block_builder.emit(op.concat(relax.Tuple(kept), axis=dim))
+
+
+def _is_legacy_empty(tensor: relax.Expr) -> bool:
+    dims = _ty.shape_values(tensor)
+    return dims is not None and len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm) \
+        and int(dims[0]) == 0
+
+
+def _embedding(node, importer) -> relax.Expr:
+    """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)``: rows of
+    ``weight``, where the ``padding_idx`` row gets no gradient, as in PyTorch (TVM's converter
+    drops ``padding_idx``)."""
+    bb = importer.block_builder
+    args = list(node.args) + [None] * (5 - len(node.args))
+    weight, indices = importer.env[args[0]], importer.env[args[1]]
+    padding_idx = -1 if args[2] is None else int(args[2])
+    if args[3]:
+        raise ValueError(
+            f"from_torch: {node.name}: embedding with scale_grad_by_freq=True is not supported"
+        )
+    shape, (rows, width) = _ty.static_shape(indices), _ty.static_shape(weight)
+    flat = bb.emit(op.reshape(bb.emit(op.astype(indices, "int32")), (-1,)))
+    out = bb.emit(op.take(weight, flat, axis=0))
+    if padding_idx != -1:
+        pad = relax.const(padding_idx % rows, "int32")
+        frozen = bb.emit(op.take(bb.emit(stop_gradient(weight)), flat, axis=0))
+        is_pad = bb.emit(op.expand_dims(bb.emit(op.equal(flat, pad)), 1))
+        out = bb.emit(op.where(is_pad, frozen, out))
+    return bb.emit(op.reshape(out, (*shape, width)))
+
+
+_CONVERTERS = {
+    "_native_batch_norm_legit_functional.default": _batch_norm_train,
+    "cat.default": _cat,
+    "concat.default": _cat,
+    "embedding.default": _embedding,
+}
+
+
 def _with_param_names(
     func: relax.Function, renames: dict[str, str], names: list[str], num_inputs: int
 ) -> relax.Function:
     """``func`` with its parameters renamed by ``renames`` (exported name -> state_dict key or
-    input name) and ordered as ``names`` (inputs, params, buffers)."""
-    by_name = {renames.get(p.name, p.name): p for p in func.params}
+    input name) and ordered as ``names`` (inputs, params, buffers). Parameters renamed alike
+    (one tied tensor that torch.export passes once per name) become one parameter, so its
+    gradient is the sum of its uses' gradients."""
+    by_name: dict[str, list[relax.Var]] = {}
+    for p in func.params:
+        by_name.setdefault(renames.get(p.name, p.name), []).append(p)
     if sorted(by_name) != sorted(names):
         raise ValueError(
             f"from_torch: TVM's importer made parameters {sorted(by_name)}, expected {names}"
         )
-    old = [by_name[name] for name in names]
-    new = [relax.Var(name, p.ty) for name, p in zip(names, old)]
-    body = func.bind_params(dict(zip(old, new))).body
+    new = [relax.Var(name, by_name[name][0].ty) for name in names]
+    binds = {old: var for name, var in zip(names, new) for old in by_name[name]}
+    body = func.bind_params(binds).body
     return relax.Function(new, body, func.ret_ty, func.is_pure).with_attr("num_input", num_inputs)
