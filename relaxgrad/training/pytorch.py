@@ -19,6 +19,14 @@ as PyTorch does (``momentum`` average, the unbiased batch variance for ``running
 ``_native_batch_norm_legit_functional`` returns zeros for the new running statistics, so
 :func:`from_torch` converts that op itself. Eval mode normalizes with the running statistics.
 
+Other ops whose TVM 0.27 converter drops or gets something wrong are converted here too:
+``embedding`` (``padding_idx``: that row gets no gradient), ``cat`` (PyTorch's legacy empty
+tensors, as in Hugging Face's empty key/value caches, are skipped) and ``cumsum`` (of a bool
+or integer tensor: int64, as in PyTorch). A parameter the module holds under several names
+(tied weights: a language model's output layer and its input embedding) is one parameter of
+the Relax functions, under its first name; its gradient sums those of its uses, and
+``Trainer.state_dict()`` gives it under every name (``Model.aliases``).
+
 TVM 0.27's importer turns ``dropout`` / ``native_dropout`` into the identity, so a module with
 an active dropout in train mode would train without dropping anything: :func:`from_torch`
 raises a ``ValueError`` naming the dropout nodes unless ``dropout="identity"`` (which warns).
@@ -83,8 +91,9 @@ def from_torch(
         returning ``(output, *new buffers)``;
         ``params`` (trainable parameters) and ``buffers`` as numpy arrays by ``state_dict``
         key; ``updates`` (the buffers replaced by fields 1.. of the result); ``state_keys``
-        (the ``state_dict`` keys in order). ``Trainer.for_model(model, ...)`` trains it and
-        ``trainer.state_dict()`` returns tensors for ``module.load_state_dict``.
+        (the ``state_dict`` keys in order); ``aliases`` (the other keys of tied tensors).
+        ``Trainer.for_model(model, ...)`` trains it and ``trainer.state_dict()`` returns
+        tensors for ``module.load_state_dict``.
 
     Raises
     ------
@@ -110,7 +119,6 @@ def from_torch(
     aliases = _tied_names(module)
 
     modes = {m: m.training for m in module.modules()}
-    attention = _eager_attention(module)
     try:
         if not module.training:  # a module in train mode keeps its submodules' own modes
             module.train()
@@ -120,8 +128,6 @@ def from_torch(
     finally:
         for submodule, training in modes.items():
             submodule.training = training
-        for config, implementation in attention:
-            config._attn_implementation = implementation
 
     names = input_names + param_keys + buffer_keys
     train = _with_param_names(*train, names, len(example_inputs))
@@ -157,20 +163,6 @@ def _tied_names(module) -> dict[str, str]:
         if canonical != name:
             aliases[name] = canonical
     return aliases
-
-
-def _eager_attention(module) -> list[tuple]:
-    """Switch the Hugging Face ``transformers`` configs of ``module`` to eager attention (the
-    same function as SDPA, which torch.export cannot trace); returns the configs changed and
-    their implementations, for restoring."""
-    changed = []
-    for submodule in module.modules():
-        config = getattr(submodule, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in (None, "eager"):
-            changed.append((config, implementation))
-            config._attn_implementation = "eager"
-    return changed
 
 
 def _input_names(module, count: int) -> list[str]:
@@ -322,6 +314,19 @@ def _cat(node, importer) -> relax.Expr:
     return importer.block_builder.emit(op.concat(relax.Tuple(kept), axis=dim))
 
 
+def _cumsum(node, importer) -> relax.Expr:
+    """``cumsum(x, dim, dtype=None)``: as in PyTorch, the sum of a bool or integer tensor is
+    int64 (TVM's converter keeps bool, which LLVM cannot add: Hugging Face's masks)."""
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None:
+        dtype = importer._convert_data_type(str(dtype), importer.env)
+    elif not _ty.is_float_dtype(_ty.dtype_of(x)):
+        dtype = "int64"
+    return importer.block_builder.emit(op.cumsum(x, dim, dtype))
+
+
 def _is_legacy_empty(tensor: relax.Expr) -> bool:
     dims = _ty.shape_values(tensor)
     return dims is not None and len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm) \
@@ -355,6 +360,7 @@ _CONVERTERS = {
     "_native_batch_norm_legit_functional.default": _batch_norm_train,
     "cat.default": _cat,
     "concat.default": _cat,
+    "cumsum.default": _cumsum,
     "embedding.default": _embedding,
 }
 

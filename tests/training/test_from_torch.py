@@ -74,6 +74,31 @@ class AttentionBlock(nn.Module):
         return self.head(torch.nn.functional.gelu(x).mean(dim=1))
 
 
+class TiedEmbeddings(nn.Module):
+    """An output layer tied to the input embedding (one parameter, two names), a second
+    embedding with a padding row, and positions from the cumsum of a bool mask."""
+
+    def __init__(self, vocab=12, dim=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pad_embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.head = nn.Linear(dim, 5, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        positions = (tokens != 0).cumsum(-1)
+        h = self.embed(tokens) + self.pad_embed(tokens) * positions.unsqueeze(-1).float()
+        h = h + self.out(h)[..., :6]
+        return self.head(h).mean(1)
+
+
+def _tokens(rng):
+    tokens = rng.integers(0, 12, (BATCH, 5))
+    tokens[:, -1] = 0
+    return tokens
+
+
 def _images(rng):
     return rng.standard_normal((BATCH, 1, 8, 8)).astype("float32")
 
@@ -87,6 +112,8 @@ CASES = {
                            lambda p: torch.optim.SGD(p, 0.1, momentum=0.9)),
     "embedding-adam": (EmbeddingBag, lambda rng: rng.integers(0, 20, (BATCH, 6)),
                        lambda: Adam(1e-2), lambda p: torch.optim.Adam(p, 1e-2)),
+    "tied-embeddings-sgd": (TiedEmbeddings, _tokens, lambda: SGD(0.1),
+                            lambda p: torch.optim.SGD(p, 0.1)),
     "attention-sgd": (AttentionBlock, lambda rng: rng.standard_normal((BATCH, 4, 8))
                       .astype("float32"), lambda: SGD(0.5), lambda p: torch.optim.SGD(p, 0.5)),
 }
@@ -177,3 +204,4 @@ def test_dropout_in_train_mode_is_refused():
     assert net.fc.training is not False and not net.drop.training  # modes restored
     assert set(model.params) == {"fc.weight", "fc.bias"}
     from_torch(Dropper(0.0), x)
+

@@ -1,6 +1,7 @@
 """Tiny Hugging Face ``transformers`` models for the zoo: random weights, no hub access, every
-dropout probability 0 (so gradients are deterministic) and eager attention (torch 2.13 cannot
-export SDPA attention).
+dropout probability 0 (so gradients are deterministic). Attention is eager except in the
+models of :data:`SDPA`, which keep transformers' default (``scaled_dot_product_attention``,
+which torch.export decomposes into the same ops).
 
 Each entry of :data:`ZOO` builds ``(module, inputs, target)``: a ``torch.nn.Module`` returning one
 logits tensor of shape ``(rows, classes)``, its example inputs (one batch) and class targets.
@@ -42,6 +43,10 @@ def _eager(config):
     return config
 
 
+def _sdpa(config):
+    return config  # transformers' default
+
+
 def _tokens(rng, pad=None):
     ids = rng.integers(2, VOCAB, (BATCH, SEQ))
     if pad is not None:
@@ -53,18 +58,18 @@ def _images(rng, channels=3, size=IMAGE):
     return torch.from_numpy(rng.standard_normal((BATCH, channels, size, size)).astype("float32"))
 
 
-def _classify(model_class, config, make_input):
+def _classify(model_class, config, make_input, attention=_eager):
     def build(rng):
         torch.manual_seed(0)
-        module = Logits(model_class(_eager(config())))
+        module = Logits(model_class(attention(config())))
         return module, (make_input(rng),), rng.integers(0, CLASSES, BATCH)
     return build
 
 
-def _causal_lm(model_class, config):
+def _causal_lm(model_class, config, attention=_eager):
     def build(rng):
         torch.manual_seed(0)
-        module = Logits(model_class(_eager(config())), flat=True)
+        module = Logits(model_class(attention(config())), flat=True)
         return module, (_tokens(rng),), rng.integers(0, VOCAB, BATCH * SEQ)
     return build
 
@@ -85,6 +90,8 @@ VISION = dict(image_size=IMAGE, num_channels=3, num_labels=CLASSES)
 VIT = dict(VISION, patch_size=8, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
            intermediate_size=64, **NO_DROPOUT)
 
+#: models with transformers' default SDPA attention
+SDPA = ("gpt2", "llama", "bert")
 #: models whose batch has padding tokens -> (embedding parameter, padding_idx)
 PADDED = {
     "bert": ("model.bert.embeddings.word_embeddings.weight", 0),
@@ -95,12 +102,15 @@ PADDED = {
 ZOO = {
     "gpt2": _causal_lm(tf.GPT2LMHeadModel, lambda: tf.GPT2Config(
         vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": _causal_lm(tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**DECODER)),
+        embd_pdrop=0.0, attn_pdrop=0.0), _sdpa),
+    # without a key/value cache, Llama's causal mask takes the cumsum of a bool tensor
+    "llama": _causal_lm(tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**DECODER, use_cache=False),
+                        _sdpa),
     "qwen2": _causal_lm(tf.Qwen2ForCausalLM, lambda: tf.Qwen2Config(**DECODER)),
     "mistral": _causal_lm(tf.MistralForCausalLM, lambda: tf.MistralConfig(**DECODER)),
     "bert": _classify(tf.BertForSequenceClassification, lambda: tf.BertConfig(
-        **TEXT, **NO_DROPOUT, num_labels=CLASSES, pad_token_id=0), lambda rng: _tokens(rng, 0)),
+        **TEXT, **NO_DROPOUT, num_labels=CLASSES, pad_token_id=0), lambda rng: _tokens(rng, 0),
+        _sdpa),
     "roberta": _classify(tf.RobertaForSequenceClassification, lambda: tf.RobertaConfig(
         **TEXT, **NO_DROPOUT, num_labels=CLASSES, pad_token_id=1), lambda rng: _tokens(rng, 1)),
     "distilbert": _classify(tf.DistilBertForSequenceClassification, lambda: tf.DistilBertConfig(
