@@ -35,6 +35,7 @@ Dropout in eval mode is the identity in PyTorch too.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -98,7 +99,8 @@ def from_torch(
     Raises
     ------
     ValueError
-        If the module drops out in train mode and ``dropout="error"``, or if TVM's importer
+        If the module drops out in train mode and ``dropout="error"``, if torch.export cannot
+        trace it or TVM's importer cannot convert it (naming the cause), or if TVM's importer
         returns a function this path cannot use.
 
     Examples
@@ -185,7 +187,7 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
     from tvm.relax.frontend.torch import from_exported_program
 
     buffers = dict(module.named_buffers())
-    with warnings.catch_warnings():  # torch 2.13's pytree deprecation noise inside export
+    with warnings.catch_warnings(), _refused("torch.export cannot trace", module):
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         program = torch.export.export(
             _buffers_as_inputs(module, buffer_keys, len(example_inputs)),
@@ -194,12 +196,13 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
         program = program.run_decompositions()
     if module.training:
         _check_dropout(program, dropout)
-    mod = from_exported_program(
-        program,
-        keep_params_as_input=True,
-        custom_convert_map=_CONVERTERS,
-        run_ep_decomposition=False,
-    )
+    with _refused("TVM's importer cannot convert", module):
+        mod = from_exported_program(
+            program,
+            keep_params_as_input=True,
+            custom_convert_map=_CONVERTERS,
+            run_ep_decomposition=False,
+        )
     func = mod["main"]
     fields = getattr(func.ret_ty, "fields", None)
     if fields is None or len(fields) != 1 + len(buffer_keys):
@@ -217,6 +220,22 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
     renames.update(zip(user[len(example_inputs):], buffer_keys))
     renames.update(zip(user[: len(example_inputs)], input_names))
     return func, renames
+
+
+@contextlib.contextmanager
+def _refused(what: str, module):
+    """Turn an error of torch.export or TVM's importer (TVM 0.27 asserts on ops it has no
+    converter for) into a ``ValueError`` naming the module; from_torch's own pass through."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, ValueError) and str(e).startswith("from_torch"):
+            raise
+        mode = "train" if module.training else "eval"
+        raise ValueError(
+            f"from_torch: {what} {type(module).__name__} (in {mode} mode): "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _buffers_as_inputs(module, buffer_keys: list[str], num_inputs: int):
@@ -328,9 +347,9 @@ def _cumsum(node, importer) -> relax.Expr:
 
 
 def _is_legacy_empty(tensor: relax.Expr) -> bool:
+    """Whether ``tensor`` is 1-D of static size 0."""
     dims = _ty.shape_values(tensor)
-    return dims is not None and len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm) \
-        and int(dims[0]) == 0
+    return len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm) and int(dims[0]) == 0
 
 
 def _embedding(node, importer) -> relax.Expr:

@@ -205,3 +205,21 @@ def test_dropout_in_train_mode_is_refused():
     assert set(model.params) == {"fc.weight", "fc.bias"}
     from_torch(Dropper(0.0), x)
 
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x  # data-dependent control flow: export cannot trace
+
+
+class Unconvertible(nn.Module):
+    def forward(self, x):
+        return torch.special.i0(x)  # no converter in TVM 0.27's importer
+
+
+@pytest.mark.parametrize("net, cause", [(Branchy(), "torch.export cannot trace Branchy"),
+                                        (Unconvertible(), "TVM's importer cannot convert "
+                                         r"Unconvertible .*i0")])
+def test_what_cannot_be_imported_is_named(net, cause):
+    with pytest.raises(ValueError, match=f"from_torch: {cause}"):
+        from_torch(net, (torch.ones(2, 3),))
