@@ -233,9 +233,20 @@ def _refused(what: str, module):
             raise
         mode = "train" if module.training else "eval"
         raise ValueError(
-            f"from_torch: {what} {type(module).__name__} (in {mode} mode): "
-            f"{type(e).__name__}: {e}"
+            f"from_torch: {what} {type(module).__name__} (in {mode} mode)"
+            f"{_attention_hint(module)}: {type(e).__name__}: {e}"
         ) from e
+
+
+def _attention_hint(module) -> str:
+    """A hint for Hugging Face ``transformers`` models whose attention is not eager (torch 2.13
+    cannot always export SDPA attention, e.g. GPT-2's)."""
+    for submodule in module.modules():
+        attention = getattr(getattr(submodule, "config", None), "_attn_implementation", None)
+        if attention not in (None, "eager"):
+            return (f"; {type(submodule).__name__} uses {attention!r} attention: set "
+                    "config._attn_implementation = 'eager' (the same function) and import again")
+    return ""
 
 
 def _buffers_as_inputs(module, buffer_keys: list[str], num_inputs: int):

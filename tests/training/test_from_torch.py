@@ -223,3 +223,24 @@ class Unconvertible(nn.Module):
 def test_what_cannot_be_imported_is_named(net, cause):
     with pytest.raises(ValueError, match=f"from_torch: {cause}"):
         from_torch(net, (torch.ones(2, 3),))
+
+
+def test_transformers_sdpa_attention_that_cannot_be_exported_is_named():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    net = _FlatLogits(transformers.GPT2LMHeadModel(config))
+    assert net.model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"torch.export cannot trace .*GPT2LMHeadModel uses "
+                       r"'sdpa' attention: set config._attn_implementation = 'eager'"):
+        from_torch(net, (torch.zeros(2, 4, dtype=torch.int64),))
+
+
+class _FlatLogits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        logits = self.model(tokens).logits
+        return logits.reshape(-1, logits.shape[-1])

@@ -1,7 +1,7 @@
 """Tiny Hugging Face ``transformers`` models for the zoo: random weights, no hub access, every
 dropout probability 0 (so gradients are deterministic). Attention is eager except in the
 models of :data:`SDPA`, which keep transformers' default (``scaled_dot_product_attention``,
-which torch.export decomposes into the same ops).
+which torch.export decomposes into the same ops; it cannot export GPT-2's).
 
 Each entry of :data:`ZOO` builds ``(module, inputs, target)``: a ``torch.nn.Module`` returning one
 logits tensor of shape ``(rows, classes)``, its example inputs (one batch) and class targets.
@@ -91,7 +91,7 @@ VIT = dict(VISION, patch_size=8, hidden_size=HIDDEN, num_hidden_layers=2, num_at
            intermediate_size=64, **NO_DROPOUT)
 
 #: models with transformers' default SDPA attention
-SDPA = ("gpt2", "llama", "bert")
+SDPA = ("llama", "bert")
 #: models whose batch has padding tokens -> (embedding parameter, padding_idx)
 PADDED = {
     "bert": ("model.bert.embeddings.word_embeddings.weight", 0),
@@ -102,7 +102,7 @@ PADDED = {
 ZOO = {
     "gpt2": _causal_lm(tf.GPT2LMHeadModel, lambda: tf.GPT2Config(
         vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0), _sdpa),
+        embd_pdrop=0.0, attn_pdrop=0.0)),
     # without a key/value cache, Llama's causal mask takes the cumsum of a bool tensor
     "llama": _causal_lm(tf.LlamaForCausalLM, lambda: tf.LlamaConfig(**DECODER, use_cache=False),
                         _sdpa),
@@ -132,17 +132,19 @@ ZOO = {
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
         _images),
     "resnet": _classify(tf.ResNetForImageClassification, lambda: tf.ResNetConfig(
-        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-        layer_type="basic", num_labels=CLASSES), _images),
+        num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic",
+        num_labels=CLASSES), _images),
     "convnext": _classify(tf.ConvNextForImageClassification, lambda: tf.ConvNextConfig(
-        num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=CLASSES,
+        num_channels=3, num_stages=1, hidden_sizes=[8], depths=[1], num_labels=CLASSES,
         drop_path_rate=0.0), _images),
     "efficientnet": _classify(tf.EfficientNetForImageClassification,
                               lambda: tf.EfficientNetConfig(
-        num_channels=3, image_size=IMAGE, width_coefficient=0.1, depth_coefficient=0.1,
-        hidden_dim=32, num_labels=CLASSES, dropout_rate=0.0, drop_connect_rate=0.0), _images),
+        num_channels=3, image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.1,
+        kernel_sizes=[3, 5], in_channels=[32, 16], out_channels=[16, 24], strides=[1, 2],
+        num_block_repeats=[1, 1], expand_ratios=[1, 6], depthwise_padding=[], hidden_dim=320,
+        num_labels=CLASSES, dropout_rate=0.0, drop_connect_rate=0.0), _images),
     "regnet": _classify(tf.RegNetForImageClassification, lambda: tf.RegNetConfig(
-        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=4,
+        num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], groups_width=4,
         num_labels=CLASSES), _images),
     "audio_spectrogram": _classify(tf.ASTForAudioClassification, lambda: tf.ASTConfig(
         hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
