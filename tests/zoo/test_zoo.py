@@ -10,7 +10,8 @@ Per model, one import and one compile shared by its tests (a module-scoped fixtu
   zero (unused tokens, an embedding's ``padding_idx`` row) are exactly zero;
 - a few SGD steps give PyTorch's float32 losses, and the trained weights load back into the
   module (a tied parameter under each of its ``state_dict`` keys);
-- eval mode: ``trainer.predict`` equals ``module.eval()(x)``;
+- eval mode: ``trainer.predict`` equals ``module.eval()(x)`` (and refuses a partial batch of a
+  language model, whose padding rows it could not tell apart);
 - the adjoint has at most ``MAX_ADJOINT_RATIO`` times the forward's bindings.
 
 Each test starts from the Trainer's current weights (loaded into a copy of the module), so the
@@ -121,6 +122,9 @@ def test_predict_is_eval_mode(case):
     with torch.no_grad():
         expected = module(*case.inputs).numpy()
     np.testing.assert_allclose(case.trainer.predict(case.x), expected, rtol=1e-4, atol=1e-5)
+    if len(expected) != len(case.x[0]):  # a language model's (batch * seq, vocab) logits
+        with pytest.raises(ValueError, match="padding of a last batch of 1 cannot be cut"):
+            case.trainer.predict(tuple(x[:1] for x in case.x))
 
 
 def test_adjoint_size(case, record_property, request):
