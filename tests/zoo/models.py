@@ -97,6 +97,7 @@ PADDED = {
     "bert": ("model.bert.embeddings.word_embeddings.weight", 0),
     "roberta": ("model.roberta.embeddings.word_embeddings.weight", 1),
     "distilbert": ("model.distilbert.embeddings.word_embeddings.weight", 0),
+    "albert": ("model.albert.embeddings.word_embeddings.weight", 0),
 }
 
 ZOO = {
@@ -113,6 +114,10 @@ ZOO = {
         _sdpa),
     "roberta": _classify(tf.RobertaForSequenceClassification, lambda: tf.RobertaConfig(
         **TEXT, **NO_DROPOUT, num_labels=CLASSES, pad_token_id=1), lambda rng: _tokens(rng, 1)),
+    # one layer's weights shared by both layers: each gradient sums over the layers
+    "albert": _classify(tf.AlbertForSequenceClassification, lambda: tf.AlbertConfig(
+        **TEXT, embedding_size=16, **NO_DROPOUT, classifier_dropout_prob=0.0,
+        num_labels=CLASSES, pad_token_id=0), lambda rng: _tokens(rng, 0)),
     "distilbert": _classify(tf.DistilBertForSequenceClassification, lambda: tf.DistilBertConfig(
         vocab_size=VOCAB, dim=HIDDEN, n_layers=2, n_heads=4, hidden_dim=64,
         max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0,
