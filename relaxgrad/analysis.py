@@ -33,6 +33,34 @@ MATCH_RANGE = 16
 _TENSOR_OPS = ("relax.vm.alloc_tensor", "relax.memory.alloc_tensor")
 
 
+def count_bindings(func: relax.Function) -> int:
+    """The number of bindings of ``func``, those in the branches of its ``If`` s included: the
+    size of a forward or adjoint function as the passes and TVM's compiler see it (their work
+    grows with it).
+
+    Parameters
+    ----------
+    func : relax.Function
+        The function.
+
+    Returns
+    -------
+    int
+        Its bindings.
+    """
+    count, stack = 0, [func.body]
+    while stack:
+        expr = stack.pop()
+        if isinstance(expr, relax.SeqExpr):
+            for block in expr.blocks:
+                count += len(block.bindings)
+                stack.extend(b.value for b in block.bindings)
+            stack.append(expr.body)
+        elif isinstance(expr, relax.If):
+            stack.extend([expr.true_branch, expr.false_branch])
+    return count
+
+
 def planned_memory(mod: IRModule, func_name: str, target: str = "llvm") -> int:
     """Bytes of storage TVM's default pipeline plans for ``mod[func_name]``.
 
@@ -287,10 +315,3 @@ def replay_memory_plan(program: Program) -> dict[str, int]:
     total = sum(storage_bytes)
     other = sum(b for s, b in enumerate(storage_bytes) if s not in out)
     return {"outputs": total - other, "other": other, "total": total}
-
-
-def count_bindings(func: relax.Function) -> int:
-    """The number of bindings in ``func``'s body (all its blocks), a size measure of a Relax
-    function before lowering (e.g. an adjoint against its forward)."""
-    body = func.body
-    return sum(len(block.bindings) for block in getattr(body, "blocks", ()))

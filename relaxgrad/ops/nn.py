@@ -322,24 +322,30 @@ def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
     return _unwindows(parts, attrs, ins, out_dims, op_name)
 
 
-def _avg_pool2d_ceil_include_pad_grad(grad, x, attrs, ins, out_dims, op_name: str):
+def _avg_pool2d_ceil_include_pad_grad(grad, x, attrs, op_name: str):
     """The VJP of avg_pool2d with ceil_mode and count_include_pad (TVM 0.27's
     avg_pool2d_backward disagrees with the forward when the last window hangs past the
     padding): the forward divides each window sum by the number of its positions inside the
     padded input (explicit padding counted, ceil_mode's overhang not), so ``g`` over that
-    divisor goes to every position of its window."""
-    extents = _pool_extent(attrs, ins, out_dims, op_name)
-    dtype = _ty.dtype_of(x)
-    divisor = np.ones([1] * len(out_dims))
-    for axis, size, step, before, after, _ in extents:
-        start = np.arange(out_dims[axis]) * step - before
+    divisor goes to every position of its window. Windows are boxes and the divisor is a
+    product over the axes, so this is ``A^T g`` per axis with ``A[o, i] = [i in window o] /
+    count[o]``: two matmuls, however large the window (a global pool's window of 128x128 as
+    one offset per element would be 16,384 pads)."""
+    layout = str(attrs.layout)
+    ins = _layout_dims(x, layout, "NCHW", op_name)
+    outs = _layout_dims(grad, layout, "NCHW", op_name)
+    matrices = {}
+    for k, axis in enumerate((2, 3)):
+        size, step = int(attrs.pool_size[k]), int(attrs.strides[k])
+        before, after = int(attrs.padding[k]), int(attrs.padding[k + 2])
+        start = np.arange(outs[axis]) * step - before
         counts = np.minimum(start + size, ins[axis] + after) - start
-        shape = [1] * len(out_dims)
-        shape[axis] = out_dims[axis]
-        divisor = divisor * counts.reshape(shape)
-    grad = grad / relax.const(divisor.astype(dtype), dtype)
-    parts = [grad] * (extents[0][1] * extents[1][1])
-    return _unwindows(parts, attrs, ins, out_dims, op_name)
+        positions = np.arange(ins[axis])
+        inside = (positions >= start[:, None]) & (positions < start[:, None] + size)
+        matrices[axis] = inside / counts[:, None]
+    grad = relayout(grad, layout, "NCHW", op_name)
+    grad = _pooling_matrices_grad(grad, matrices, outs, _ty.dtype_of(x))
+    return relayout(grad, "NCHW", layout, op_name)
 
 
 def _pool2d(op_name: str, backward):
@@ -361,8 +367,7 @@ def _pool2d(op_name: str, backward):
             ins, out_dims = static_dims(x, op_name), static_dims(ctx.normalize(grad), op_name)
             return [_max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name)]
         if op_name == "relax.nn.avg_pool2d" and attrs.ceil_mode and attrs.count_include_pad:
-            ins, out_dims = static_dims(x, op_name), static_dims(ctx.normalize(grad), op_name)
-            return [_avg_pool2d_ceil_include_pad_grad(grad, x, attrs, ins, out_dims, op_name)]
+            return [_avg_pool2d_ceil_include_pad_grad(ctx.normalize(grad), x, attrs, op_name)]
         kwargs = {key: attrs[key] for key in _POOL2D_ATTRS}
         return [backward(grad, x, **kwargs, out_layout=attrs.layout)]
 
@@ -619,13 +624,6 @@ def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     ]
 
 
-@register_gradient("relax.nn.dropout")
-def dropout_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``(y, mask) = dropout(x, rate)``; backward: ``[g_y * mask]`` (TVM 0.27 lowers
-    dropout to ``y = x`` with an all-ones mask)."""
-    return [relax.TupleGetItem(output_grad, 0) * relax.TupleGetItem(orig_var, 1)]
-
-
 @register_gradient("relax.nn.prelu")
 def prelu_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = where(x > 0, x, alpha * x)``, alpha per channel on ``axis``; backward:
@@ -722,24 +720,30 @@ def _adaptive_pool_matrix(n_in: int, n_out: int, dtype: str) -> np.ndarray:
     return matrix.astype(dtype)
 
 
-def _adaptive_pool_input_grad(g, ins: list[int], outs: list[int], dtype: str):
-    """``A^T g`` over each spatial axis of ``g`` (NC..., of shape ``outs``) whose size changes,
-    as matmuls: the last axis on the right, the others on the left of ``g`` reshaped to
-    ``(.., out, rest)``."""
+def _pooling_matrices_grad(g, matrices: dict[int, np.ndarray], outs: list, dtype: str):
+    """``A^T g`` along each spatial axis of ``g`` (NC..., of dims ``outs``) that has a matrix
+    ``A = matrices[axis]`` of shape ``(out, in)``, as matmuls: the last axis on the right, the
+    others on the left of ``g`` reshaped to ``(.., out, rest)``. One matmul per axis, whatever
+    the window sizes."""
     dims, last = list(outs), len(outs) - 1
-    for axis in reversed(range(2, len(outs))):
-        if ins[axis] == outs[axis]:
-            continue
-        matrix = _adaptive_pool_matrix(ins[axis], outs[axis], dtype)
+    for axis in sorted(matrices, reverse=True):
+        matrix = matrices[axis].astype(dtype)
         if axis == last:
             g = matmul(g, relax.const(matrix, dtype))
         else:
             rest = int(np.prod(dims[axis + 1 :]))
             merged = reshape(g, dims[: axis + 1] + [rest]) if axis < last - 1 else g
             g = matmul(relax.const(np.ascontiguousarray(matrix.T), dtype), merged)
-        dims[axis] = ins[axis]
+        dims[axis] = matrix.shape[1]
         g = reshape(g, dims) if axis < last - 1 else g
     return g
+
+
+def _adaptive_pool_input_grad(g, ins: list[int], outs: list[int], dtype: str):
+    """``A^T g`` over each spatial axis of ``g`` (NC..., of shape ``outs``) whose size changes."""
+    matrices = {axis: _adaptive_pool_matrix(ins[axis], outs[axis], dtype)
+                for axis in range(2, len(outs)) if ins[axis] != outs[axis]}
+    return _pooling_matrices_grad(g, matrices, outs, dtype)
 
 
 def _layout_dims(t, src: str, dst: str, op_name: str) -> list:

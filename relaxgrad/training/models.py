@@ -55,6 +55,10 @@ class Model:
     torch_state : bool
         Whether ``Trainer.state_dict()`` returns ``torch.Tensor`` values (for
         ``module.load_state_dict``) instead of numpy arrays.
+    key : str, optional
+        The parameter of the model function that takes the random key (a ``(2,)`` uint32
+        tensor, see :mod:`relaxgrad.ops.random`), which the Trainer feeds a new value every
+        step; the evaluation function has no such parameter.
     """
 
     mod: tvm.IRModule
@@ -66,6 +70,7 @@ class Model:
     state_keys: tuple[str, ...] | None = None
     torch_state: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
+    key: str | None = None
 
     @property
     def batch_size(self) -> int | None:

@@ -32,6 +32,7 @@ from tvm.relax import Function
 
 from .. import _ty
 from .._module import with_function
+from .._stack import with_deep_stack
 from ..errors import GradientError
 from .exprs import _substitute_block, free_vars, substitute
 from .simplify import remove_unused
@@ -253,4 +254,4 @@ class SplitGradient:
         self.args = args
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return split_gradient_module(mod, **self.args)
+        return with_deep_stack(split_gradient_module, mod, **self.args)

@@ -169,7 +169,17 @@ def _check_bindings(func: Function, func_name: str) -> None:
                     f"Gradient: in function {func_name}, {b.var.name} is bound by a "
                     f"{type(b).__name__}; only var bindings and match_cast are supported"
                 )
-            free_vars(b.value)  # raises on node kinds the pass does not know
+            if isinstance(b.value, relax.Function):
+                raise GradientError(
+                    f"Gradient: in function {func_name}, {b.var.name} is bound to a local "
+                    "function (a closure); relaxgrad differentiates calls of the module's global "
+                    "functions only: lift it into the module first (relax.transform.LambdaLift())"
+                )
+            try:
+                free_vars(b.value)  # raises on node kinds the pass does not know
+            except GradientError as err:
+                raise GradientError(f"Gradient: in function {func_name}, the value of "
+                                    f"{b.var.name}: {err}") from None
 
 
 def _require_grads(func: Function, func_name: str, require_grads: list) -> list:

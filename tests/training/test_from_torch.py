@@ -192,19 +192,20 @@ class Dropper(nn.Module):
         return self.drop(self.fc(x))
 
 
-def test_dropout_in_train_mode_is_refused():
+def test_dropout_modes():
     x = (torch.zeros(2, 4),)
-    with pytest.raises(ValueError, match=r"drops out in train mode .*p=0\.5.*identity"):
-        from_torch(Dropper(0.5), x)
+    with pytest.raises(ValueError, match=r"drops out in train mode .*p=0\.5.*dropout='error'"):
+        from_torch(Dropper(0.5), x, dropout="error")
     with pytest.warns(UserWarning, match="turns dropout into the identity"):
-        from_torch(Dropper(0.5), x, dropout="identity")
+        model = from_torch(Dropper(0.5), x, dropout="identity")
+    assert model.key is None
+    assert from_torch(Dropper(0.5), x).key == "dropout_key"  # the default drops at random
     net = Dropper(0.5)
     net.drop.eval()  # a dropout layer in eval mode is the identity in PyTorch too
-    model = from_torch(net, x)
+    model = from_torch(net, x, dropout="error")
     assert net.fc.training is not False and not net.drop.training  # modes restored
-    assert set(model.params) == {"fc.weight", "fc.bias"}
-    from_torch(Dropper(0.0), x)
-
+    assert set(model.params) == {"fc.weight", "fc.bias"} and model.key is None
+    assert from_torch(Dropper(0.0), x, dropout="error").key is None
 
 
 class Branchy(nn.Module):

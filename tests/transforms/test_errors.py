@@ -131,3 +131,24 @@ def test_register_gradient_validates():
         relaxgrad.register_gradient("relax.add", lambda *a: [])
     with pytest.raises(Exception):  # noqa: B017 (TVM's error for an unknown op name)
         relaxgrad.register_gradient("relax.no_such_op", lambda *a: [])
+
+
+def test_calling_a_local_closure_names_it_and_says_how_to_lift_it():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((3,), "float32"))
+    y = relax.Var("y", relax.TensorType((3,), "float32"))
+    body = relax.SeqExpr([], relax.op.multiply(y, y))
+    with bb.function("main", [x]):
+        square = bb.emit(relax.Function([y], body, relax.TensorType((3,), "float32")), "square")
+        out = bb.emit(relax.op.sum(bb.emit(relax.Call(square, [x]))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    before = mod.script()
+    with pytest.raises(GradientError, match="in function main, square is bound to a local "
+                                            "function .*LambdaLift"):
+        relaxgrad.Gradient("main", strict=False)(mod)
+    assert mod.script() == before
+    # the suggested fix works
+    lifted = relax.transform.LambdaLift()(mod)
+    assert "main_adjoint" in [gv.name_hint for gv in relaxgrad.Gradient(
+        "main", strict=False)(lifted).get_global_vars()]

@@ -1,0 +1,134 @@
+"""A cache of compiled executables on disk: the same module, compiled again for the same target
+(in another process, or the next run of a script), is loaded instead of built.
+
+:func:`relaxgrad.compile` uses it when called with ``cache=True`` (the Trainer and the CLI do).
+An entry is the library that ``VMExecutable.export_library`` writes, keyed by
+
+- the module's structural hash (``tvm_ffi.structural_hash``: names, types and constants alike),
+- the target (its JSON form) and the ``PassContext``'s opt level and config,
+- the versions of TVM and relaxgrad, and a digest of relaxgrad's own source files (so a changed
+  rule or schedule never loads a library it did not build).
+
+The folder is ``$RELAXGRAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/relaxgrad``, else
+``~/.cache/relaxgrad``; ``RELAXGRAD_CACHE=0`` turns the cache off everywhere. Entries are
+written to a temporary file and renamed, so concurrent processes never load half a library.
+A compile under pass instruments (which expect the passes to run) is never cached. Delete the
+folder to empty the cache (:func:`clear`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.ir import IRModule
+from tvm.target import Target
+
+__all__ = ["cache_dir", "cached", "clear", "enabled"]
+
+_log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """The cache folder (see the module docstring); not created until an entry is written."""
+    explicit = os.environ.get("RELAXGRAD_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "relaxgrad"
+
+
+def enabled() -> bool:
+    """False when ``RELAXGRAD_CACHE`` is ``0`` (or ``false``/``off``/``no``)."""
+    return os.environ.get("RELAXGRAD_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def clear() -> None:
+    """Delete every cached library."""
+    shutil.rmtree(cache_dir(), ignore_errors=True)
+
+
+def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable],
+           load: Callable[[str], relax.VMExecutable] | None = None):
+    """The executable of ``mod`` for ``target`` from the cache, else ``build()``'s, stored.
+
+    Parameters
+    ----------
+    mod : IRModule
+        The module to compile.
+    target : Target
+        Its target.
+    build : callable
+        Compiles ``mod`` (called on a miss).
+    load : callable, optional
+        Makes the executable of a stored library's path (by default
+        ``relax.VMExecutable(tvm.runtime.load_module(path))``).
+
+    Returns
+    -------
+    relax.VMExecutable
+        The loaded or built executable.
+    """
+    context = tvm.transform.PassContext.current()
+    if not enabled() or len(context.instruments) > 0:
+        return build()
+    path = cache_dir() / f"{_key(mod, target, context)}.so"
+    if path.exists():
+        try:
+            if load is not None:
+                return load(str(path))
+            return relax.VMExecutable(tvm.runtime.load_module(str(path)))
+        except Exception as err:  # noqa: BLE001 (a broken entry is built again)
+            _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)
+    executable = build()
+    _store(executable, path)
+    return executable
+
+
+def _store(executable: relax.VMExecutable, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
+        os.close(fd)
+        try:
+            executable.export_library(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except Exception as err:  # noqa: BLE001 (no cache entry, the executable still works)
+        _log.warning("relaxgrad cache: cannot store %s (%s)", path, err)
+
+
+def _key(mod: IRModule, target: Target, context: tvm.transform.PassContext) -> str:
+    parts = [
+        f"{tvm_ffi.structural_hash(mod):x}",
+        str(target.export()),
+        str(context.opt_level),
+        str(sorted((str(k), str(v)) for k, v in context.config.items())),
+        tvm.__version__,
+        _source_digest(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _source_digest() -> str:
+    """relaxgrad's version and the contents of its Python files."""
+    from . import __version__
+
+    digest = hashlib.sha256(__version__.encode())
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

@@ -1,0 +1,123 @@
+"""relaxgrad.compile(..., cache=True): the same module for the same target is loaded, not built
+again, in this process or another; anything that changes the build changes the key."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import relaxgrad
+from relaxgrad import cache, pipeline
+from relaxgrad.training import SGD, CrossEntropyLoss, mlp
+from relaxgrad.training.trainer import training_module
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAXGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RELAXGRAD_CACHE", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the builds relaxgrad.compile does."""
+    builds = []
+    real = pipeline._compile
+
+    def build(*args):
+        builds.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(pipeline, "_compile", build)
+    return builds
+
+
+def _adjoint_module(hidden=8):
+    model = mlp(4, hidden=(hidden,), seed=1)
+    mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), SGD(0.1), "main")
+    return mod, model
+
+
+def _run(executable, model):
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    x = np.linspace(-1, 1, 4 * 64, dtype="float32").reshape(4, 64)
+    args = [tvm.runtime.tensor(x)] + [tvm.runtime.tensor(v) for v in model.params.values()]
+    out = vm["main"](*args)
+    return out.numpy()
+
+
+def test_second_compile_is_loaded_and_computes_the_same(cache_dir, counted):
+    mod, model = _adjoint_module()
+    first = relaxgrad.compile(mod, "llvm", cache=True)
+    assert len(counted) == 1 and len(list(cache_dir.glob("*.so"))) == 1
+    second = relaxgrad.compile(mod, "llvm", cache=True)
+    assert len(counted) == 1, "the second compile built again"
+    np.testing.assert_array_equal(_run(first, model), _run(second, model))
+
+
+def test_another_process_loads_the_entry(cache_dir):
+    script = textwrap.dedent("""
+        import sys
+        import relaxgrad
+        from relaxgrad import pipeline
+        from relaxgrad.training import SGD, CrossEntropyLoss, mlp
+        from relaxgrad.training.trainer import training_module
+        model = mlp(4, hidden=(8,), seed=1)
+        mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), SGD(0.1),
+                              "main")
+        if sys.argv[1] == "load":
+            def refuse(*args):
+                raise SystemExit("built again")
+            pipeline._compile = refuse
+        relaxgrad.compile(mod, "llvm", cache=True)
+        print("ok")
+    """)
+    env = {**os.environ, "RELAXGRAD_CACHE_DIR": str(cache_dir)}
+    for mode in ("build", "load"):
+        done = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_module_target_and_switches_change_the_key(cache_dir, counted, monkeypatch):
+    mod, _ = _adjoint_module()
+    relaxgrad.compile(mod, "llvm", cache=True)
+    relaxgrad.compile(_adjoint_module(hidden=16)[0], "llvm", cache=True)  # another module
+    relaxgrad.compile(mod, {"kind": "llvm", "mcpu": "x86-64"}, cache=True)  # another target
+    with tvm.transform.PassContext(opt_level=3):  # the default is 2
+        relaxgrad.compile(mod, "llvm", cache=True)  # another opt level
+    relaxgrad.compile(mod, "llvm")  # cache off: always built
+    monkeypatch.setenv("RELAXGRAD_CACHE", "0")
+    relaxgrad.compile(mod, "llvm", cache=True)  # off everywhere
+    assert len(counted) == 6
+    assert len(list(cache_dir.glob("*.so"))) == 4
+
+
+def test_a_broken_entry_is_built_again(cache_dir, counted, caplog):
+    mod, model = _adjoint_module()
+    reference = _run(relaxgrad.compile(mod, "llvm", cache=True), model)
+    (entry,) = cache_dir.glob("*.so")
+    entry.write_bytes(b"not a library")
+    again = relaxgrad.compile(mod, "llvm", cache=True)
+    assert len(counted) == 2 and "cannot load" in caplog.text
+    np.testing.assert_array_equal(_run(again, model), reference)
+    cache.clear()
+    assert not cache_dir.exists()
+
+
+def test_a_loaded_executable_exports_its_library(cache_dir, tmp_path):
+    mod, model = _adjoint_module()
+    built = relaxgrad.compile(mod, "llvm", cache=True)
+    loaded = relaxgrad.compile(mod, "llvm", cache=True)
+    assert loaded.library is not None
+    loaded.export_library(str(tmp_path / "step.so"))
+    again = relax.VMExecutable(tvm.runtime.load_module(str(tmp_path / "step.so")))
+    np.testing.assert_array_equal(_run(again, model), _run(built, model))
+    with pytest.raises(relaxgrad.GradientError, match="cannot be linked again"):
+        loaded.export_library(str(tmp_path / "other.so"), options=["-O2"])

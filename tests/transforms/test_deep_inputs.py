@@ -1,0 +1,110 @@
+"""Inputs as long or as deep as real models make them never kill the process: the pass and
+relaxgrad.compile run on a thread with a deep stack (relaxgrad._stack). Each case runs in a
+child process at Python's default stack and recursion limit, so a segfault fails the test
+instead of ending the suite."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import numpy as np
+import tvm
+from tvm import relax
+import relaxgrad
+from relaxgrad.analysis import count_bindings
+"""
+
+
+def _run(body: str, timeout: int = 300, helpers: str = "") -> str:
+    script = PRELUDE + helpers + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    return done.stdout
+
+
+CHAIN = """
+def chain(n, c=1.0001):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "float64"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            v = x
+            for i in range(n):
+                v = bb.emit(relax.op.add(v, x) if i % 2 else
+                            relax.op.multiply(v, relax.const(c, "float64")))
+            out = bb.emit_output(relax.op.sum(v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def expected(n, c=1.0001):  # v_{2k+2} = c v_{2k} + x: dv_n/dx = c^(n/2) + sum_{k<n/2} c^k
+    return c ** (n // 2) + sum(c ** k for k in range(n // 2))
+"""
+
+
+def test_ten_thousand_bindings():
+    """A chain of 10,000 bindings (``v * c`` and ``v + x`` in turn): the gradient is built at
+    the default stack with a bounded size; a chain of 1,000 compiles with relaxgrad.compile to
+    the closed form ``d/dx sum(v_n)`` (float64)."""
+    out = _run("""
+        mod = relaxgrad.Gradient("main")(chain(10_000))
+        ratio = count_bindings(mod["main_adjoint"]) / count_bindings(mod["main"])
+        assert ratio <= 3, ratio
+        ex = relaxgrad.compile(relaxgrad.Gradient("main")(chain(1_000)), "llvm")
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        _, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones(4)))
+        np.testing.assert_allclose(grad.numpy(), np.full(4, expected(1_000)), rtol=1e-9)
+        print("ok")
+    """, timeout=600, helpers=CHAIN)
+    assert "ok" in out
+
+
+def test_tuples_nested_500_deep():
+    """``t_{i+1} = (t_i, t_i[1] * c)``, 500 levels: the walk over the nested tuple types and
+    TVM's visitors over them stay within the stack, and the gradient is ``c^500``."""
+    out = _run("""
+        n, c = 500, 1.001
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((4,), "float64"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                t = bb.emit(relax.Tuple([x, x]))
+                for _ in range(n):
+                    item = bb.emit(relax.TupleGetItem(t, 1))
+                    t = bb.emit(relax.Tuple([t, relax.op.multiply(item, relax.const(c, "float64"))]))
+                out = bb.emit_output(relax.op.sum(bb.emit(relax.TupleGetItem(t, 1))))
+            bb.emit_func_output(out)
+        mod = relaxgrad.Gradient("main")(bb.get())
+        ratio = count_bindings(mod["main_adjoint"]) / count_bindings(mod["main"])
+        assert ratio <= 6, ratio
+        ex = relaxgrad.compile(mod, {"kind": "llvm", "opt-level": 0})
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        _, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones(4)))
+        np.testing.assert_allclose(grad.numpy(), np.full(4, c ** n), rtol=1e-9)
+        print("ok")
+    """, timeout=600)
+    assert "ok" in out
+
+
+@pytest.mark.parametrize("depth", [3000])
+def test_deep_python_recursion_is_no_recursion_error(depth):
+    """A RecursionError raised by our own walkers on the caller's thread would be a crash: the
+    limit is raised on the worker, and restored after."""
+    out = _run(f"""
+        import sys
+        from relaxgrad._stack import with_deep_stack
+        def down(k):
+            return 0 if k == 0 else 1 + down(k - 1)
+        limit = sys.getrecursionlimit()
+        assert with_deep_stack(down, {depth}) == {depth}
+        assert sys.getrecursionlimit() == limit
+        try:
+            with_deep_stack(lambda: 1 / 0)
+        except ZeroDivisionError:
+            print("ok")
+    """)
+    assert "ok" in out
