@@ -48,6 +48,10 @@ class Model:
         The function ``predict`` and ``evaluate`` run (same parameters); ``func_name`` if None.
     state_keys : tuple[str, ...], optional
         Keys of ``Trainer.state_dict()``, in order (parameters and buffers by default).
+    aliases : dict[str, str]
+        State keys that name another key's tensor (a tied parameter's other names, e.g.
+        ``lm_head.weight`` -> ``transformer.wte.weight``): ``Trainer.state_dict()`` gives
+        the tensor under both.
     torch_state : bool
         Whether ``Trainer.state_dict()`` returns ``torch.Tensor`` values (for
         ``module.load_state_dict``) instead of numpy arrays.
@@ -65,6 +69,7 @@ class Model:
     eval_func: str | None = None
     state_keys: tuple[str, ...] | None = None
     torch_state: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
     key: str | None = None
 
     @property

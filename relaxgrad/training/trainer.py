@@ -161,6 +161,7 @@ class Trainer:
         }
         self.state_keys: tuple[str, ...] | None = None
         self.torch_state = False
+        self.aliases: dict[str, str] = {}  # state key -> the parameter or buffer it names
         self._optim_state = [s.copyto(self.device) for s in optimizer.state]
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
@@ -196,6 +197,7 @@ class Trainer:
                       buffers=model.buffers, updates=model.updates, eval_func=model.eval_func,
                       key=model.key, **kwargs)
         trainer.state_keys, trainer.torch_state = model.state_keys, model.torch_state
+        trainer.aliases = dict(model.aliases)
         return trainer
 
     @property
@@ -216,9 +218,11 @@ class Trainer:
         dict
             For a model from :func:`from_torch`, the module's ``state_dict`` keys in its order
             and ``torch.Tensor`` values, so ``module.load_state_dict(trainer.state_dict())``
-            loads the trained weights; otherwise numpy arrays, parameters first.
+            loads the trained weights (a tied parameter under each of its names); otherwise
+            numpy arrays, parameters first.
         """
         values = {**self.params, **self.buffers}
+        values.update({key: values[name] for key, name in self.aliases.items()})
         keys = self.state_keys or tuple(values)
         if not self.torch_state:
             return {key: values[key] for key in keys}
@@ -471,7 +475,15 @@ class Trainer:
             idx = np.arange(start, min(start + size, n))
             batch = tuple(_pad(xi[idx], size) for xi in x)
             pred = _first(forward(*self._args(batch))).numpy()
-            yield (pred if keep_padding else pred[: len(idx)]), idx
+            if keep_padding or len(idx) == size:
+                yield pred, idx
+            elif len(pred) != size:  # e.g. a language model's (batch * seq, vocab) logits
+                raise ValueError(
+                    f"Trainer: {self.eval_func} returns {len(pred)} rows for a batch of {size}, "
+                    f"so the padding of a last batch of {len(idx)} cannot be cut; pass a "
+                    f"multiple of {size} samples")
+            else:
+                yield pred[: len(idx)], idx
 
     def _args(self, inputs: Inputs, train: bool = False) -> list:
         """The model function's arguments: inputs and parameters in parameter order; with
