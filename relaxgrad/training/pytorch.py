@@ -53,10 +53,12 @@ import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule
 from tvm.relax import op
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from .._module import with_function
 from ..transforms import stop_gradient
+from ..transforms.exprs import is_op
 from ..ops import random
 from .models import Model
 
@@ -220,7 +222,7 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
             custom_convert_map={**_CONVERTERS, **converters},
             run_ep_decomposition=False,
         )
-    func = mod["main"]
+    func = _WrapTakes().visit_expr(mod["main"])
     fields = getattr(func.ret_ty, "fields", None)
     if fields is None or len(fields) != 1 + len(buffer_keys):
         raise ValueError(
@@ -460,6 +462,21 @@ def _embedding(node, importer) -> relax.Expr:
         is_pad = bb.emit(op.expand_dims(bb.emit(op.equal(flat, pad)), 1))
         out = bb.emit(op.where(is_pad, frozen, out))
     return bb.emit(op.reshape(out, (*shape, width)))
+
+
+@mutator
+class _WrapTakes(PyExprMutator):
+    """``take(..., mode="fast")`` -> ``mode="wrap"``: TVM's importer takes PyTorch's indices,
+    which may count from the end (``x[:, -1]``), in "fast" mode, which reads out of bounds for
+    them (garbage, or a crash) and makes TVM warn at every compile; "wrap" is PyTorch's
+    meaning and the same for every other index."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if is_op(call, "relax.take") and call.attrs.mode == "fast":
+            take = op.take(call.args[0], call.args[1], axis=call.attrs.axis, mode="wrap")
+            return self.builder_.normalize(take)
+        return call
 
 
 _CONVERTERS = {

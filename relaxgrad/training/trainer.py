@@ -659,6 +659,7 @@ def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExec
             return
         with _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
                            leave=False) as bar:
+            bar.start_t -= PROGRESS_DELAY  # elapsed since the compile began
             while not stop.wait(1.0):
                 bar.refresh()
 

@@ -245,3 +245,31 @@ class _FlatLogits(nn.Module):
     def forward(self, tokens):
         logits = self.model(tokens).logits
         return logits.reshape(-1, logits.shape[-1])
+
+
+def test_negative_indices_count_from_the_end_and_compile_quietly(capfd):
+    """``x[:, -1]`` imports as a take of index -1: PyTorch's value and gradient (TVM's importer
+    takes it in "fast" mode, which reads out of bounds), and no compile warning."""
+    torch.manual_seed(0)
+
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids)[:, -1])
+
+    net, ids, y = Last(), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 2])
+    model = from_torch(net, (ids,))
+    assert 'mode="fast"' not in model.mod.script()
+    capfd.readouterr()
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1), cache=False)
+    captured = capfd.readouterr()
+    assert "Warning" not in captured.err + captured.out, captured.err
+    loss, grads = trainer.gradients(ids.numpy(), y.numpy())
+    expected = torch.nn.functional.cross_entropy(net(ids), y)
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    for name, param in net.named_parameters():
+        np.testing.assert_allclose(grads[name], param.grad.numpy(), rtol=1e-4, atol=1e-6)

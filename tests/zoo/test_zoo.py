@@ -34,9 +34,9 @@ from .models import PADDED, SDPA, ZOO  # noqa: E402
 SLACK, RTOL = 2.0, 1e-7
 STEPS, LR = 3, 0.5
 MAX_ADJOINT_RATIO = 6
-SKIP = {"efficientnet": "adjoint size blow-up: being fixed in the gradient pass"}
-#: known adjoints over the limit (the gradient pass's adjoint size is being worked on)
-LARGE_ADJOINT = {"resnet": "adjoint 513 bindings, 7.2x its forward (train-mode BatchNorm)"}
+SKIP: dict[str, str] = {}
+#: known adjoints over the limit
+LARGE_ADJOINT: dict[str, str] = {}
 PARAMS = [pytest.param(name, marks=pytest.mark.skip(reason=SKIP[name])) if name in SKIP
           else name for name in ZOO]
 
