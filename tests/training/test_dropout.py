@@ -197,8 +197,7 @@ def test_other_random_ops_are_refused_by_name(draw, op):
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2,
-                        tie_word_embeddings=False)  # tied embeddings are another issue
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
     config._attn_implementation = "eager"
 
     class LM(nn.Module):
@@ -207,8 +206,7 @@ def _gpt2():
             self.model = GPT2LMHeadModel(config)
 
         def forward(self, input_ids):
-            mask = torch.ones_like(input_ids)  # without one, HF checks for packed sequences
-            out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            out = self.model(input_ids=input_ids, use_cache=False)
             return out.logits.reshape(-1, config.vocab_size)
 
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
