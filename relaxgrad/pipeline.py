@@ -39,6 +39,7 @@ from .schedules import (
     ConvToMatmul,
     DuplicateCheapProducers,
     FastMath,
+    FoldConstantCalls,
     FuseColumnSums,
     FuseRowGroups,
     FuseRowReductions,
@@ -225,7 +226,7 @@ def _pipeline(
         *before_legalizing,
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
+        FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings
         *before_fusing,
         relax.transform.FuseOps(),
         *after_fusing,
