@@ -19,7 +19,7 @@ from tvm.target.codegen import llvm_cpu_has_features
 from tvm.tirx.analysis import undefined_vars
 
 from ..errors import GradientError
-from ._common import is_one, sblocks
+from ._common import SPATIAL, is_one, sblocks
 
 
 class TiledMatmul(ScheduleRule):
@@ -47,6 +47,8 @@ class TiledMatmul(ScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if target.kind.name != "llvm":
+            return None
+        if not _may_have(func, 1, reducing=True):
             return None
         sch = s_tir.Schedule(func)
         reductions = get_reduction_blocks(sch, sch.get_child_blocks(sch.get_sblock("root")))
@@ -311,14 +313,31 @@ blocks that each read the one before twice (a max-pool gradient's window of ``ma
 inlining a minute and LLVM more. Such a function is left to be built as it is."""
 
 
-def _cpu_blocks(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule | None, list]:
+def _cpu_blocks(
+    func: tirx.PrimFunc, target: Target, least: int = 1, reducing: bool = False
+) -> tuple[s_tir.Schedule | None, list]:
     """A schedule of ``func`` and its blocks' infos after inlining the spatial ones (dlight's
-    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target) or where inlining
-    would grow past :data:`MAX_INLINED_LOADS`."""
-    if target.kind.name != "llvm" or inlined_loads(func) > MAX_INLINED_LOADS:
+    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target), where inlining
+    would grow past :data:`MAX_INLINED_LOADS`, or where a rule would find fewer than
+    ``least`` blocks or (``reducing``) only injective ones: those are read off ``func``
+    before building a schedule, which costs more than most rules' checks."""
+    if target.kind.name != "llvm" or not _may_have(func, least, reducing):
+        return None, []
+    if inlined_loads(func) > MAX_INLINED_LOADS:
         return None, []
     sch = s_tir.Schedule(func)
     return sch, try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+
+
+def _may_have(func: tirx.PrimFunc, least: int, reducing: bool) -> bool:
+    """Whether ``func`` has ``least`` blocks, one of them not spatial if ``reducing``: inlining
+    only removes blocks, and leaves a spatial block's iterators spatial."""
+    blocks = sblocks(func)
+    if len(blocks) < least:
+        return False
+    return not reducing or any(
+        int(iv.iter_type) != SPATIAL for block in blocks for iv in block.iter_vars
+    )
 
 
 def inlined_loads(func: tirx.PrimFunc) -> int:
