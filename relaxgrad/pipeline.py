@@ -51,6 +51,7 @@ from .schedules import (
     default_cpu_rules,
 )
 from .schedules._common import is_gpu
+from .schedules.cpu import forget_inlined
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
 
@@ -119,7 +120,10 @@ def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
-        return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        try:
+            return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        finally:
+            forget_inlined()
     return tvm.compile(mod, target)
 
 

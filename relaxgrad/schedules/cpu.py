@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -323,10 +325,33 @@ def _cpu_blocks(
     before building a schedule, which costs more than most rules' checks."""
     if target.kind.name != "llvm" or not _may_have(func, least, reducing):
         return None, []
+    key = tvm_ffi.structural_hash(func)
+    for other, sch, infos in _INLINED.get(key, []):
+        if other.same_as(func) or tvm_ffi.structural_equal(other, func):
+            _INLINED.move_to_end(key)
+            return sch.copy(), list(infos)  # the block RVs are valid in the copy
     if inlined_loads(func) > MAX_INLINED_LOADS:
         return None, []
     sch = s_tir.Schedule(func)
-    return sch, try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+    infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+    _INLINED.setdefault(key, []).append((func, sch, infos))
+    if len(_INLINED) > _INLINED_FUNCS:
+        _INLINED.popitem(last=False)
+    return sch.copy(), list(infos)
+
+
+_INLINED: OrderedDict = OrderedDict()
+"""Structural hash -> ``[(func, schedule, infos)]`` of :func:`_cpu_blocks`, least recently
+used first: each rule that tries a function, in ``FuseRowGroups``' trials and in the schedule
+step, starts from a copy of the one normalization and inlining of it (dlight's inlining tries
+every pair of blocks, and a function is tried by up to six rules)."""
+_INLINED_FUNCS = 1024
+
+
+def forget_inlined() -> None:
+    """Empty :func:`_cpu_blocks`' cache (``relaxgrad.compile`` does after each build, so that
+    one compile does not time or keep another's work)."""
+    _INLINED.clear()
 
 
 def _may_have(func: tirx.PrimFunc, least: int, reducing: bool) -> bool:
