@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax import op
 
@@ -130,3 +131,26 @@ def test_stacked_layer_norm_gradients_match_pytorch(stack_of_four):
 
     for got, want in zip(grads, _torch_grads(reference, arrays)):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-8, atol=1e-10)
+
+
+def test_each_function_is_normalized_once_for_all_rules(monkeypatch):
+    """The rules that try one function (``FuseRowGroups``' trials, then the schedule step's
+    rules in turn) start from copies of one normalization of it: as many normalizations as
+    distinct functions (each rule normalized it again before)."""
+    built = []
+    normalize = cpu.normalize_prim_func
+    monkeypatch.setattr(cpu, "normalize_prim_func", lambda sch: built.append(1) or normalize(sch))
+    mod = _before_grouping(_stack(2))
+    passes = list(cpu_pipeline(host_target()).passes)
+    names = [p.info.name for p in passes]
+    step = ScheduleCPU()
+    cpu.forget_inlined()
+    with host_target():
+        grouped = passes[names.index("FuseRowGroups")](mod)
+        before = len(built)
+        step(grouped)
+    cpu.forget_inlined()
+    funcs = [f for _, f in grouped.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    tried = {tvm_ffi.structural_hash(f) for f in funcs}
+    assert len(built) - before <= len(tried), (len(built) - before, len(tried))
+    assert "RowColumnLocal" in step.choices.values()
