@@ -5,8 +5,10 @@ For each model it builds what the Trainer compiles (the model, its loss, the los
 the optimizer step: ``relaxgrad.training.trainer.training_module``), counts the bindings of the
 forward (the model function) and of the adjoint, and times, in this one run, ``tvm.compile``
 and ``relaxgrad.compile`` of that module for the same target (this machine's CPU), alternately
-``--runs`` times (medians). It prints one row per model, the ratios, and the growth of each
-compile from the 4-block to the 16-block transformer (a linear pipeline grows 4x).
+``--runs`` times (medians), then ``relaxgrad.compile(..., cache=True)`` once more after a cached
+compile (a fresh cache folder): the time to load the built library. It prints one row per
+model, the ratios, and the growth of each compile from the 4-block to the 16-block transformer
+(a linear pipeline grows 4x).
 
 Models: ``mlp`` and ``cnn`` (``relaxgrad.training``'s), ``transformer4`` / ``transformer16``
 (PyTorch ``nn.TransformerEncoderLayer`` stacks, d 64, seq 16, through ``from_torch``), and tiny
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 MODELS = ("mlp", "cnn", "transformer4", "transformer16", "hf-resnet", "hf-bert",
@@ -37,6 +40,7 @@ def parse_args():
 
 ARGS = parse_args()
 os.environ.setdefault("TVM_NUM_THREADS", str(ARGS.threads))
+os.environ["RELAXGRAD_CACHE_DIR"] = tempfile.mkdtemp(prefix="relaxgrad-bench-cache-")
 
 import torch  # noqa: E402
 import tvm  # noqa: E402
@@ -122,7 +126,7 @@ def main():
     names = ARGS.models + (["resnet50"] if ARGS.big else [])
     rows, times = [], {}
     header = (f"{'model':16} {'forward':>8} {'adjoint':>8} {'adj/fwd':>8} "
-              f"{'tvm.compile s':>14} {'relaxgrad s':>12} {'ratio':>6}")  # fmt: skip
+              f"{'tvm.compile s':>14} {'relaxgrad s':>12} {'ratio':>6} {'cached s':>9}")  # fmt: skip
     print(header, flush=True)
     for name in names:
         model = build(name)
@@ -135,10 +139,12 @@ def main():
             tvm_s.append(timed(lambda: tvm.compile(mod, target)))
             ours_s.append(timed(lambda: relaxgrad.compile(mod, target)))
         t, o = statistics.median(tvm_s), statistics.median(ours_s)
+        relaxgrad.compile(mod, target, cache=True)
+        loaded = timed(lambda: relaxgrad.compile(mod, target, cache=True))
         times[name] = (t, o)
         rows.append((name, forward, adjoint, t, o))
         print(f"{name:16} {forward:8d} {adjoint:8d} {adjoint / forward:8.2f} {t:14.1f} {o:12.1f} "
-              f"{o / t:6.2f}", flush=True)
+              f"{o / t:6.2f} {loaded:9.2f}", flush=True)
     if "transformer4" in times and "transformer16" in times:
         (t4, o4), (t16, o16) = times["transformer4"], times["transformer16"]
         print(f"4 -> 16 transformer blocks: tvm.compile x{t16 / t4:.2f}, "

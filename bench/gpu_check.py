@@ -9,15 +9,25 @@ Tolerance: an output passes when ``max|gpu - cpu| <= tol * max(1, max|cpu|)``, w
 ``tol = 1e-4`` by default (float32; different summation orders and fast-math intrinsics stay
 well under it, a wrong kernel does not). Exits 1 on any mismatch, 2 when there is no GPU.
 
+Then the deployed path: a small MLP's and CNN's training artifacts, ``Trainer.export(folder,
+target)``, trained for 10 steps by their ``runner.py`` in a fresh process with TVM's runtime
+only (``TVM_USE_RUNTIME_LIB=1``), against an llvm Trainer's 10 steps: the losses and the
+parameters, with the same tolerance.
+
 Run from the repository root: ``python bench/gpu_check.py`` (``--target llvm`` is a dry run
-of the script itself on a machine without a GPU).
+of the script itself on a machine without a GPU; ``--models`` with no names checks only the
+artifacts).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -102,6 +112,64 @@ def check_model(name: str, sizes: dict, target, device, tol: float, seed: int) -
     return ok
 
 
+# The artifacts' runner in a fresh runtime-only process: the losses of the steps, the state
+# written back, and whether TVM's compiler library was loaded.
+RUNTIME_ONLY = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import runner
+r, data, steps = runner.Runner(sys.argv[1]), np.load(sys.argv[2]), int(sys.argv[3])
+b = r.manifest["batch_size"]
+losses = [r.step(data["x"][i * b:(i + 1) * b], data["target"][i * b:(i + 1) * b])
+          for i in range(steps)]
+r.save()
+maps = open("/proc/self/maps").read()
+print(json.dumps({"losses": losses, "compiler": "libtvm_compiler" in maps}))
+"""
+
+
+def check_artifacts(target, tol: float, seed: int, steps: int = 10) -> bool:
+    """Exported training artifacts for ``target`` run by the runtime-only runner vs an llvm
+    Trainer, ``steps`` steps; one line per model."""
+    from relaxgrad.training import Adam, CrossEntropyLoss, MomentumSGD, Trainer, cnn, mlp
+    from relaxgrad.training.state import read_state
+
+    models = {"mlp": (mlp(32, in_features=256, hidden=(128,)), Adam(1e-2)),
+              "cnn": (cnn(8, image=(1, 8, 8), channels=(4, 8)), MomentumSGD(0.05, 0.9))}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TVM_USE_RUNTIME_LIB"] = "1"
+    ok = True
+    for name, (model, optimizer) in models.items():
+        trainer = Trainer.for_model(model, CrossEntropyLoss(), optimizer, target="llvm")
+        with tempfile.TemporaryDirectory() as tmp:
+            manifest = trainer.export(tmp, target=target)
+            b, *shape = manifest["arguments"][0]["shape"]
+            rng = np.random.default_rng(seed)
+            x = rng.standard_normal((steps * b, *shape)).astype("float32")
+            y = rng.integers(0, 10, steps * b)
+            np.savez(f"{tmp}/data.npz", x=x, target=y)
+            command = [sys.executable, "-c", RUNTIME_ONLY, tmp, f"{tmp}/data.npz", str(steps)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"  FAIL artifacts {name}: the runner failed\n{done.stderr[-2000:]}")
+                ok = False
+                continue
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            state, _ = read_state(f"{tmp}/{manifest['state']}")
+        want = [trainer.step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(steps)]
+        diffs = [abs(g - w) / max(1.0, abs(w)) for g, w in zip(result["losses"], want)]
+        for key, value in trainer.params.items():
+            scale = max(1.0, float(np.max(np.abs(value))))
+            diffs.append(float(np.max(np.abs(state[f"param:{key}"] - value))) / scale)
+        good = max(diffs) <= tol and not result["compiler"]
+        ok = ok and good
+        print(f"  {'ok  ' if good else 'FAIL'} artifacts {name}: {steps} steps on TVM's runtime "
+              f"alone (compiler loaded: {result['compiler']}), max rel. diff of losses and "
+              f"parameters {max(diffs):.3g} (limit {tol:g})")  # fmt: skip
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="cuda", help="cuda (default) or llvm (dry run)")
@@ -131,6 +199,9 @@ def main() -> int:
                 continue
             if not check_model(name, SIZES[size][name], target, device, args.tol, args.seed):
                 failed.append(f"{name} ({size})")
+    print(f"training artifacts for {target.kind.name}, run by TVM's runtime alone:")
+    if not check_artifacts(target, args.tol, args.seed):
+        failed.append("training artifacts")
     print("FAILED: " + ", ".join(failed) if failed else "all outputs match")
     return 1 if failed else 0
 

@@ -57,7 +57,8 @@ def clear() -> None:
     shutil.rmtree(cache_dir(), ignore_errors=True)
 
 
-def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable]):
+def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable],
+           load: Callable[[str], relax.VMExecutable] | None = None):
     """The executable of ``mod`` for ``target`` from the cache, else ``build()``'s, stored.
 
     Parameters
@@ -68,6 +69,9 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
         Its target.
     build : callable
         Compiles ``mod`` (called on a miss).
+    load : callable, optional
+        Makes the executable of a stored library's path (by default
+        ``relax.VMExecutable(tvm.runtime.load_module(path))``).
 
     Returns
     -------
@@ -80,6 +84,8 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
     path = cache_dir() / f"{_key(mod, target, context)}.so"
     if path.exists():
         try:
+            if load is not None:
+                return load(str(path))
             return relax.VMExecutable(tvm.runtime.load_module(str(path)))
         except Exception as err:  # noqa: BLE001 (a broken entry is built again)
             _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)

@@ -5,7 +5,8 @@
 ``relaxgrad check FILE.py --func main`` checks its gradients numerically (exit 1 on failure);
 ``relaxgrad memory FILE.py --func main [--adjoint]`` prints a function's estimated and planned
 memory;
-``relaxgrad demo`` trains the digits MLP on CPU and prints the accuracy.
+``relaxgrad demo`` trains the digits MLP on CPU and prints the accuracy (data parallel under
+``torchrun --nproc-per-node N -m relaxgrad.cli demo``).
 
 ``FILE.py`` defines an ``IRModule`` (e.g. an ``@I.ir_module`` class) at top level; with several,
 pick one with ``--module NAME`` (which may also name a function returning one). The file's

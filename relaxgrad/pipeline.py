@@ -9,13 +9,13 @@ would launch one kernel per input element for it, so :class:`FullReduction` come
 
 CPU targets (by default this machine's CPU, :func:`host_target`) first rewrite, before
 legalization, 2-D convolutions and their gradients into im2col/col2im gathers and matmuls
-(:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of the OpenBLAS
-``sgemm`` that numpy ships (:class:`MatmulToBLAS`). Then :class:`ScheduleCPU`: ``tvm.compile``
-leaves every CPU PrimFunc as naive single-threaded loops, so a 1024-wide matmul runs about 100
-times slower than it could. :class:`TiledMatmul` gives the remaining matmuls (with their fused
-epilogues) register tiles, a packed panel of the right operand, vectorization and threads;
-:class:`ParallelLoops` parallelizes and vectorizes the rest. A PrimFunc that no rule schedules
-is built as it is.
+(:class:`ConvToMatmul`), and matmuls of at least ~1M multiply-adds into calls of OpenBLAS's
+``sgemm`` (:class:`MatmulToBLAS`; the ``scipy-openblas32`` wheel's, for this machine's CPU).
+Then :class:`ScheduleCPU`: ``tvm.compile`` leaves every CPU PrimFunc as naive single-threaded
+loops, so a 1024-wide matmul runs about 100 times slower than it could. :class:`TiledMatmul`
+gives the remaining matmuls (with their fused epilogues) register tiles, a packed panel of the
+right operand, vectorization and threads; :class:`ParallelLoops` parallelizes and vectorizes the
+rest. A PrimFunc that no rule schedules is built as it is.
 
 ``relaxgrad.compile`` is the function; targets and pipelines live here, the schedule steps and
 their rules in ``relaxgrad.schedules``. Both kinds of
@@ -25,6 +25,7 @@ target first lower ``call_tir_with_grad`` to ``call_tir`` (it has no lowering of
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 
 import tvm
@@ -50,13 +51,16 @@ from .schedules import (
     SerialVectorLoops,
     default_cpu_rules,
 )
+from .schedules import blas
 from .schedules._common import is_gpu
 from .schedules.cpu import forget_inlined
+from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
+    "Executable",
     "compile",
     "cpu_pipeline",
     "gpu_pipeline",
@@ -111,8 +115,16 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
         raise GradientError(f"compile: expected an IRModule, got {type(mod).__name__}")
     target = resolve_target(target)
     if cache and schedule is None:
-        return with_deep_stack(cached, mod, target, lambda: _compile(mod, target, None))
+        return with_deep_stack(cached, mod, target, lambda: _compile(mod, target, None),
+                               _load_cached)
     return with_deep_stack(_compile, mod, target, schedule)
+
+
+def _load_cached(path: str) -> Executable:
+    """An executable that :func:`relaxgrad.cache.cached` stored (``export_library``'s file)."""
+    with open(path, "rb") as f:
+        calls_blas = blas.SGEMM is not None and blas.SGEMM.encode() in f.read()
+    return Executable(tvm.runtime.load_module(path), calls_blas, path)
 
 
 def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
@@ -121,10 +133,45 @@ def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
         try:
-            return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+            built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
         finally:
             forget_inlined()
+        return Executable(built.mod, blas.available(target) and blas.called_in(built.mod))
     return tvm.compile(mod, target)
+
+
+class Executable(relax.VMExecutable):
+    """A CPU executable of :func:`compile`: a ``relax.VMExecutable`` whose ``export_library``
+    links the OpenBLAS its sgemm calls need (:func:`relaxgrad.schedules.blas.link_options`),
+    so that the exported library loads in a process that only has TVM's runtime.
+
+    Parameters
+    ----------
+    mod : tvm.runtime.Module
+        The VM executable's module.
+    blas_linked : bool
+        Whether the code calls OpenBLAS.
+    """
+
+    def __init__(self, mod: tvm.runtime.Module, blas_linked: bool, library: str | None = None):
+        super().__init__(mod)
+        self.blas_linked = blas_linked
+        self.library = library  # the library it was loaded from (relaxgrad.cache)
+
+    def export_library(self, file_name, **kwargs):
+        """``relax.VMExecutable.export_library`` with the OpenBLAS's linker options appended
+        to ``options``: the library finds it beside itself (``$ORIGIN``), else in the
+        ``scipy-openblas32`` wheel it was built with. An executable loaded from the cache is
+        that library already: it is copied."""
+        if self.library is not None:
+            if kwargs:
+                raise GradientError(f"export_library: {self.library} is a built library (from "
+                                    f"relaxgrad.cache); it cannot be linked again with {kwargs}")
+            shutil.copyfile(self.library, file_name)
+            return None
+        if self.blas_linked:
+            kwargs["options"] = [*kwargs.get("options", []), *blas.link_options()]
+        return super().export_library(file_name, **kwargs)
 
 
 def resolve_target(target: str | Mapping | Target | None) -> Target:
@@ -171,7 +218,7 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
-    return _pipeline(schedule, [], [], cuda_graph, "relaxgrad.gpu_pipeline")
+    return _pipeline(schedule, [], [WithoutSeqScopes()], cuda_graph, "relaxgrad.gpu_pipeline")
 
 
 def cpu_pipeline(
@@ -198,11 +245,13 @@ def cpu_pipeline(
     worries about pure packed calls kept for their side effects; adjoints have none). The
     functions compute the same values; a fused matmul keeps its epilogue in the matmul's tiles.
     """
-    del target  # the schedule reads each PrimFunc's target, or the current one
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
-    before = [ConvToMatmul(), MatmulToBLAS(), MeanAsSum(), relax.transform.EliminateCommonSubexpr()]
+    summed = blas.available(target)  # no OpenBLAS for another CPU architecture
+    before = [ConvToMatmul(summed), MatmulToBLAS(), MeanAsSum(),
+              relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
-        schedule, before, [SerialVectorLoops(), FastMath()], [], "relaxgrad.cpu_pipeline",
+        schedule, before, [SerialVectorLoops(), FastMath(), WithoutSeqScopes()], [],
+        "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),
             DuplicateCheapProducers(),

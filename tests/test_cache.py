@@ -109,3 +109,15 @@ def test_a_broken_entry_is_built_again(cache_dir, counted, caplog):
     np.testing.assert_array_equal(_run(again, model), reference)
     cache.clear()
     assert not cache_dir.exists()
+
+
+def test_a_loaded_executable_exports_its_library(cache_dir, tmp_path):
+    mod, model = _adjoint_module()
+    built = relaxgrad.compile(mod, "llvm", cache=True)
+    loaded = relaxgrad.compile(mod, "llvm", cache=True)
+    assert loaded.library is not None
+    loaded.export_library(str(tmp_path / "step.so"))
+    again = relax.VMExecutable(tvm.runtime.load_module(str(tmp_path / "step.so")))
+    np.testing.assert_array_equal(_run(again, model), _run(built, model))
+    with pytest.raises(relaxgrad.GradientError, match="cannot be linked again"):
+        loaded.export_library(str(tmp_path / "other.so"), options=["-O2"])

@@ -13,7 +13,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 def test_notebooks_exist():
-    assert {"quickstart", "checkpointing", "training_digits", "finetune_pytorch"} <= {
+    assert {"quickstart", "checkpointing", "training_digits", "finetune_pytorch",
+            "finetune_transformer"} <= {
         p.stem for p in NOTEBOOKS
     }
 

@@ -15,6 +15,7 @@ from . import (  # noqa: E402, F401
     linear_algebra,
     manipulate,
     nn,
+    random,
     search,
     sorting,
     statistical,

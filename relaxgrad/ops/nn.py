@@ -624,13 +624,6 @@ def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     ]
 
 
-@register_gradient("relax.nn.dropout")
-def dropout_grad(orig_var, orig_call, output_grad, ctx):
-    """Forward: ``(y, mask) = dropout(x, rate)``; backward: ``[g_y * mask]`` (TVM 0.27 lowers
-    dropout to ``y = x`` with an all-ones mask)."""
-    return [relax.TupleGetItem(output_grad, 0) * relax.TupleGetItem(orig_var, 1)]
-
-
 @register_gradient("relax.nn.prelu")
 def prelu_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``y = where(x > 0, x, alpha * x)``, alpha per channel on ``axis``; backward:

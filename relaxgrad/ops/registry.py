@@ -83,8 +83,20 @@ def register_no_grad(op_names: Iterable[str]) -> None:
 FIRST_ORDER_ONLY: set[str] = set()
 
 
+# Ops left without a rule on purpose, and what to use instead.
+NO_RULE_HINTS = {
+    "relax.nn.dropout": (
+        " [it has no random key: TVM compiles it as the identity, so its gradient would "
+        "silently not drop; apply relaxgrad.transforms.KeyDropout to the module first, or use "
+        "relaxgrad.ops.random.dropout]"
+    ),
+}
+
+
 def missing_rule_hint(op_name: str) -> str:
     """A note for the missing-rule error: empty, or why ``op_name`` has no rule."""
+    if op_name in NO_RULE_HINTS:
+        return NO_RULE_HINTS[op_name]
     if op_name in FIRST_ORDER_ONLY or op_name.startswith("relax.grad."):
         return (
             " [emitted by a first-order gradient rule; it has no gradient of its own, so this "

@@ -1,39 +1,42 @@
-"""Large float32 matmuls as calls into the OpenBLAS that numpy ships (a Relax rewrite, CPU).
+"""Large float32 matmuls as calls into OpenBLAS (a Relax rewrite, CPU).
 
 :class:`MatmulToBLAS` rewrites ``R.matmul(a, b)`` (float32, static shapes, at least
 ``min_macs`` multiply-adds; ``a`` and ``b`` either of the same batch shape or one of them 2-D)
-into ``R.call_tir`` of a small PrimFunc that calls ``cblas_sgemm`` of numpy's
-``scipy_openblas`` (``T.call_extern``) before legalization. A ``permute_dims`` of the last two
-axes feeding the matmul becomes a transpose flag of ``sgemm``, and the gradient of a shared
-weight, ``collapse_sum_to(matmul(permute(x), g))`` over a batch, one sgemm over the stacked
-rows of ``x`` and ``g``. The backward of linear layers reading one input (an attention's q,
-k and v projections) runs on the concatenation of their output gradients: one gemm for the
-input's gradient, one for the weights' (:class:`_ConcatenatedProducts`).
+into ``R.call_tir`` of a small PrimFunc that calls ``scipy_cblas_sgemm`` (``T.call_extern``)
+before legalization. The OpenBLAS is the one of the ``scipy-openblas32`` wheel, a dependency
+made to give Python packages an OpenBLAS with a documented library path
+(:func:`library_path`): the process loads it here, and a library exported from the
+executable links it (:func:`link_options`), so that it runs without relaxgrad.
+
+A ``permute_dims`` of the last two axes feeding the matmul becomes a transpose flag of
+``sgemm``, and the gradient of a shared weight, ``collapse_sum_to(matmul(permute(x), g))`` over
+a batch, one sgemm over the stacked rows of ``x`` and ``g``. The backward of linear layers
+reading one input (an attention's q, k and v projections) runs on the concatenation of their
+output gradients: one gemm for the input's gradient, one for the weights'
+(:class:`_ConcatenatedProducts`).
 
 The batch, or else the rows of the result, are split over a ``T.parallel`` loop: the gemms run
-on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded. (Python
-threads, or OpenBLAS's, competed with TVM's workers, which spin for a while after each
-kernel: a 4x1024 MLP's step took twice as long.) The library is loaded with ``RTLD_GLOBAL``
-so that the compiled code finds the symbol; where no such library is found, the pass changes
-nothing and TVM's own (scheduled) matmuls run.
+on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded (each gemm
+PrimFunc sets it so before its loop, which costs a few nanoseconds, also in a process that never
+imported relaxgrad). (Python threads, or OpenBLAS's, competed with TVM's workers, which spin for
+a while after each kernel: a 4x1024 MLP's step took twice as long.) The library is loaded with
+``RTLD_GLOBAL`` so that code compiled in this process finds the symbol; where the wheel is not
+installed, or the target's CPU is not this machine's kind (a cross-compilation), the pass
+changes nothing and TVM's own (scheduled) matmuls run.
 
 On x86, each task runs its sgemm calls with denormals flushed to zero (the FTZ and DAZ bits of
 its thread's MXCSR, restored after), as TensorFlow's and XLA's CPU kernels do: OpenBLAS runs
 10-20x slower on denormal operands, which gradients reach when a model fits its data (a 4x1024
 MLP trained on one batch for 30 steps: its adjoint took 5x its forward instead of 2.7x).
-
-An executable built with these calls runs only in a process that imported relaxgrad.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import math
 import os
 import platform
 
-import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule, Op
@@ -47,23 +50,52 @@ from ._common import bound_values, read_counts, rebind, rewrite_functions, stati
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
+def library_path() -> str | None:
+    """The OpenBLAS shared library of the ``scipy-openblas32`` wheel, or None without it."""
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return None
+    path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
+    return path if os.path.exists(path) else None
+
+
 def _load_sgemm() -> str | None:
-    """The symbol of ``cblas_sgemm`` (64-bit ints) in numpy's bundled OpenBLAS, loaded
-    globally and set single-threaded, or None."""
-    here = os.path.dirname(np.__file__)
-    for path in sorted(glob.glob(os.path.join(here, os.pardir, "numpy.libs", "*openblas*"))):
-        try:
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
-        for prefix in ("scipy_", ""):
-            if getattr(lib, f"{prefix}cblas_sgemm64_", None) is None:
-                continue
-            set_threads = getattr(lib, f"{prefix}openblas_set_num_threads64_", None)
-            if set_threads is not None:  # TVM's threads split the work
-                set_threads(ctypes.c_int(1))
-            return f"{prefix}cblas_sgemm64_"
-    return None
+    """The symbol of ``cblas_sgemm`` (32-bit ints) in :func:`library_path`, loaded globally
+    and set single-threaded, or None."""
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    if getattr(lib, "scipy_cblas_sgemm", None) is None:
+        return None
+    lib.scipy_openblas_set_num_threads(ctypes.c_int(1))  # TVM's threads split the work
+    return "scipy_cblas_sgemm"
+
+
+def called_in(module: tvm.runtime.Module) -> bool:
+    """Whether the compiled code of ``module`` (an executable's, built in this process) calls
+    :data:`SGEMM`."""
+    return SGEMM is not None and any(
+        SGEMM in m.inspect_source("ll") for m in module.imports if m.kind == "llvm"
+    )
+
+
+def link_options() -> list[str]:
+    """Linker options that make a shared library exported from an executable with sgemm calls
+    find OpenBLAS by itself: ``-l`` of :func:`library_path`, and run paths of the exported
+    library's own folder (``$ORIGIN``: a copy shipped beside it, as ``Trainer.export`` does),
+    then of the wheel. Empty without the wheel."""
+    path = library_path()
+    if path is None:
+        return []
+    folder, name = os.path.split(path)
+    # (TVM puts options before the objects: without --no-as-needed, the linker drops the -l)
+    return [f"-L{folder}", "-Wl,--no-as-needed", f"-l{name[3:-3]}", "-Wl,--as-needed",
+            "-Wl,-rpath,$ORIGIN", f"-Wl,-rpath,{folder}"]
 
 
 SGEMM = _load_sgemm()
@@ -75,6 +107,7 @@ _CACHE_BYTES = 1 << 18  # what a k-slice of both operands may take (about an L2 
 FLUSH_DENORMALS = platform.machine().lower() in ("x86_64", "amd64")
 """Whether the sgemm calls run with denormals flushed to zero (x86's FTZ and DAZ bits)."""
 _FTZ_DAZ = 0x8040  # MXCSR: flush to zero (bit 15), denormals are zero (bit 6)
+_SET_THREADS = "scipy_openblas_set_num_threads"
 
 
 @T.macro
@@ -91,9 +124,26 @@ def _denormals_restored(csr):
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[1])))
 
 
-def available() -> bool:
-    """Whether an OpenBLAS ``sgemm`` was found (numpy's wheels ship one)."""
-    return SGEMM is not None
+def available(target=None) -> bool:
+    """Whether the OpenBLAS ``sgemm`` was loaded, and ``target`` (a ``tvm.target.Target``,
+    default the current one or none) builds for this machine's CPU architecture."""
+    if SGEMM is None:
+        return False
+    target = target if target is not None else tvm.target.Target.current(allow_none=True)
+    return target is None or native_arch(target)
+
+
+def native_arch(target) -> bool:
+    """Whether an ``llvm`` target's triple (none: this machine's) names this machine's CPU."""
+    if target.kind.name != "llvm":
+        return False
+    triple = str(target.attrs.get("mtriple", "") or "")
+    if not triple:
+        return True
+    machine = platform.machine().lower()
+    arch = triple.split("-")[0].lower()
+    aliases = {"amd64": "x86_64", "arm64": "aarch64"}
+    return aliases.get(arch, arch) == aliases.get(machine, machine)
 
 
 def gemm_func(
@@ -128,6 +178,7 @@ def gemm_func(
     tasks = batch * chunks
     a_size, b_size, out_size = (math.prod(s) for s in (a_shape, b_shape, out_shape))
     symbol, parallel, flush = SGEMM, tasks > 1 and batch * m * n * k >= _SPLIT_MACS, FLUSH_DENORMALS
+    set_threads = _SET_THREADS
     row_step, col_step = (0, step) if by_cols else (step, 0)
 
     @T.prim_func(private=True, check_well_formed=False)
@@ -139,6 +190,7 @@ def gemm_func(
         a_flat = T.decl_buffer((a_size,), "float32", data=a.data)
         b_flat = T.decl_buffer((b_size,), "float32", data=b.data)
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
+        T.evaluate(T.call_extern("void", set_threads, 1))
         for task in T.parallel(tasks) if parallel else T.serial(tasks):
             csr = T.decl_buffer((2,), "int32", scope="local")
             if flush:
@@ -149,15 +201,15 @@ def gemm_func(
             T.evaluate(
                 T.call_extern(
                     "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                    T.Cast("int64", T.min(step, m - row) if not by_cols else m),
-                    T.Cast("int64", T.min(step, n - col) if by_cols else n),
-                    T.int64(k),
+                    T.Cast("int32", T.min(step, m - row) if not by_cols else m),
+                    T.Cast("int32", T.min(step, n - col) if by_cols else n),
+                    T.int32(k),
                     T.float32(1),
                     T.address_of(a_flat[i * a_stride + row * a_row]),
-                    T.int64(lda),
-                    T.address_of(b_flat[i * b_stride + col * b_col]), T.int64(ldb),
+                    T.int32(lda),
+                    T.address_of(b_flat[i * b_stride + col * b_col]), T.int32(ldb),
                     T.float32(0),
-                    T.address_of(out_flat[i * m * n + row * n + col]), T.int64(n),
+                    T.address_of(out_flat[i * m * n + row * n + col]), T.int32(n),
                 )  # fmt: skip
             )
             if flush:
@@ -199,7 +251,7 @@ def _split_k_func(
     per_task = -(-pieces // threads)
     tasks = -(-pieces // per_task)
     a_size, b_size = math.prod(a_shape), math.prod(b_shape)
-    symbol, out_size, flush = SGEMM, m * n, FLUSH_DENORMALS
+    symbol, out_size, flush, set_threads = SGEMM, m * n, FLUSH_DENORMALS, _SET_THREADS
 
     @T.prim_func(private=True, check_well_formed=False)
     def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
@@ -211,6 +263,7 @@ def _split_k_func(
         b_flat = T.decl_buffer((b_size,), "float32", data=second.data)
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
         partial = T.decl_buffer((tasks * out_size,), "float32")
+        T.evaluate(T.call_extern("void", set_threads, 1))
         for task in T.parallel(tasks) if tasks > 1 else T.serial(tasks):
             csr = T.decl_buffer((2,), "int32", scope="local")
             if flush:
@@ -221,13 +274,13 @@ def _split_k_func(
                     T.evaluate(
                         T.call_extern(
                             "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                            T.int64(m), T.int64(n),
-                            T.Cast("int64", T.min(piece, k_total - index * piece)),
+                            T.int32(m), T.int32(n),
+                            T.Cast("int32", T.min(piece, k_total - index * piece)),
                             T.float32(1),
-                            T.address_of(a_flat[index * a_step]), T.int64(lda),
-                            T.address_of(b_flat[index * b_step]), T.int64(ldb),
+                            T.address_of(a_flat[index * a_step]), T.int32(lda),
+                            T.address_of(b_flat[index * b_step]), T.int32(ldb),
                             T.Select(step == 0, T.float32(0), T.float32(1)),
-                            T.address_of(partial[task * out_size]), T.int64(n),
+                            T.address_of(partial[task * out_size]), T.int32(n),
                         )  # fmt: skip
                     )
             if flush:
@@ -252,11 +305,11 @@ def _head_gemm(a, b, out, index, symbol, shape, flags, leading, heads, out_batch
     T.evaluate(
         T.call_extern(
             "void", symbol, _ROW_MAJOR, flags[0], flags[1],
-            T.int64(m), T.int64(n), T.int64(k), T.float32(1),
-            T.address_of(a[index * m * k]), T.int64(leading[0]),
-            T.address_of(b[index * k * n]), T.int64(leading[1]), T.float32(0),
+            T.int32(m), T.int32(n), T.int32(k), T.float32(1),
+            T.address_of(a[index * m * k]), T.int32(leading[0]),
+            T.address_of(b[index * k * n]), T.int32(leading[1]), T.float32(0),
             T.address_of(out[index // heads * out_batch + column + index % heads * n]),
-            T.int64(leading[2]),
+            T.int32(leading[2]),
         )  # fmt: skip
     )
 
@@ -295,6 +348,7 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
         f"    out = T.match_buffer(out_handle, {tuple(out_shape)}, 'float32')",
         *flat,
         f"    out_flat = T.decl_buffer(({math.prod(out_shape)},), 'float32', data=out.data)",
+        f"    T.evaluate(T.call_extern('void', '{_SET_THREADS}', 1))",
         f"    for task in T.parallel({start}):",
         "        csr = T.decl_buffer((2,), 'int32', scope='local')",
         *(["        _denormals_off(csr)"] if FLUSH_DENORMALS else []),

@@ -1,9 +1,10 @@
 """Training on relaxgrad's gradients: losses appended to model functions, optimizers whose step
 is compiled Relax code, a ``Trainer``, model builders, importers of PyTorch modules
-(:func:`from_torch`) and ``tvm.relax.frontend.nn`` modules (:func:`from_nn_module`), and the
-digits dataset."""
+(:func:`from_torch`) and ``tvm.relax.frontend.nn`` modules (:func:`from_nn_module`), data
+parallel training over ``torch.distributed`` (:class:`DataParallel`), and the digits dataset."""
 
 from .datasets import Split, load_digits, minibatches
+from .distributed import DataParallel, DistributedError
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
 from .nn_module import from_nn_module
@@ -16,6 +17,8 @@ __all__ = [
     "Adam",
     "AdamW",
     "CrossEntropyLoss",
+    "DataParallel",
+    "DistributedError",
     "Loss",
     "MSELoss",
     "Model",

@@ -166,7 +166,17 @@ def append_loss(
                 fields = [bb.emit(relax.TupleGetItem(result, i)) for i in range(count)]
             outs = [bb.emit_output(v) for v in [loss.emit(bb, fields[0], target), *fields[1:]]]
         bb.emit_func_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
-    return with_function(mod, name, bb.get()[name])
+    return with_function(mod, name, _without_tuple_detours(bb.get())[name])
+
+
+def _without_tuple_detours(mod: IRModule) -> IRModule:
+    """``mod`` with fields read from tuples built in the same function read directly, and what
+    is then unused removed (``CanonicalizeBindings``, ``DeadCodeElimination``). The gradient
+    of a field read from a tuple is the tuple's gradient with zeros in every other field, and
+    those zeros are carried back through whatever computed the other fields: TVM's importer
+    returns a train-mode BatchNorm as a tuple of five (two of them unused), and the model's
+    result as a tuple of the prediction and the new buffer values."""
+    return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))
 
 
 def prediction_type(func: relax.Function) -> relax.Type:

@@ -48,9 +48,17 @@ class Model:
         The function ``predict`` and ``evaluate`` run (same parameters); ``func_name`` if None.
     state_keys : tuple[str, ...], optional
         Keys of ``Trainer.state_dict()``, in order (parameters and buffers by default).
+    aliases : dict[str, str]
+        State keys that name another key's tensor (a tied parameter's other names, e.g.
+        ``lm_head.weight`` -> ``transformer.wte.weight``): ``Trainer.state_dict()`` gives
+        the tensor under both.
     torch_state : bool
         Whether ``Trainer.state_dict()`` returns ``torch.Tensor`` values (for
         ``module.load_state_dict``) instead of numpy arrays.
+    key : str, optional
+        The parameter of the model function that takes the random key (a ``(2,)`` uint32
+        tensor, see :mod:`relaxgrad.ops.random`), which the Trainer feeds a new value every
+        step; the evaluation function has no such parameter.
     """
 
     mod: tvm.IRModule
@@ -61,6 +69,8 @@ class Model:
     eval_func: str | None = None
     state_keys: tuple[str, ...] | None = None
     torch_state: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
+    key: str | None = None
 
     @property
     def batch_size(self) -> int | None:

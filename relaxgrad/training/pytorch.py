@@ -19,39 +19,62 @@ as PyTorch does (``momentum`` average, the unbiased batch variance for ``running
 ``_native_batch_norm_legit_functional`` returns zeros for the new running statistics, so
 :func:`from_torch` converts that op itself. Eval mode normalizes with the running statistics.
 
-TVM 0.27's importer turns ``dropout`` / ``native_dropout`` into the identity, so a module with
-an active dropout in train mode would train without dropping anything: :func:`from_torch`
-raises a ``ValueError`` naming the dropout nodes unless ``dropout="identity"`` (which warns).
+Other ops whose TVM 0.27 converter drops or gets something wrong are converted here too:
+``embedding`` (``padding_idx``: that row gets no gradient), ``cat`` (PyTorch's legacy empty
+tensors, as in Hugging Face's empty key/value caches, are skipped) and ``cumsum`` (of a bool
+or integer tensor: int64, as in PyTorch). A parameter the module holds under several names
+(tied weights: a language model's output layer and its input embedding) is one parameter of
+the Relax functions, under its first name; its gradient sums those of its uses, and
+``Trainer.state_dict()`` gives it under every name (``Model.aliases``).
+
+Dropout drops (``dropout="random"``, the default): TVM 0.27's importer would turn ``dropout``,
+``native_dropout`` and ``bernoulli`` (what an in-place ``nn.Dropout`` decomposes to) into the
+identity, so :func:`from_torch` converts them itself to Philox masks
+(:mod:`relaxgrad.ops.random`) drawn from a key: the train-mode function gains a last parameter
+``dropout_key`` (a ``(2,)`` uint32 tensor, :data:`DROPOUT_KEY`) that the Trainer feeds a fresh
+value every step, and each dropout of the graph has its own stream. ``dropout="identity"``
+replaces each mask by its mean (dropout becomes the identity; with a warning). Any other random
+op (``rand``, ``randn``, ``randint``, ``multinomial``, ``normal``, ``bernoulli`` of a tensor of
+probabilities, ...), which the importer would make deterministic, is refused by name.
 Dropout in eval mode is the identity in PyTorch too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule
 from tvm.relax import op
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from .._module import with_function
+from ..transforms import stop_gradient
+from ..transforms.exprs import is_op
+from ..ops import random
 from .models import Model
 
-__all__ = ["from_torch"]
+__all__ = ["DROPOUT_KEY", "from_torch"]
 
+#: Name of the key parameter that :func:`from_torch` adds to a train-mode function that drops out.
+DROPOUT_KEY = "dropout_key"
 _DROPOUT_OPS = ("native_dropout.default", "dropout.default", "dropout_.default")
+_RANDOM_OPS = (*_DROPOUT_OPS, "bernoulli.p")  # the random ops from_torch converts
 
 
 def from_torch(
     module,
     example_inputs: Sequence,
     *,
-    dropout: Literal["error", "identity"] = "error",
+    dropout: Literal["random", "identity", "error"] = "random",
     func_name: str = "main",
 ) -> Model:
     """Import a ``torch.nn.Module`` as a trainable relaxgrad :class:`Model`.
@@ -66,10 +89,10 @@ def from_torch(
     example_inputs : sequence of torch.Tensor
         One batch of inputs of ``module.forward``; the Relax functions have their static
         shapes and dtypes (so the batch size is fixed).
-    dropout : "error" or "identity"
-        What to do when the module drops out in train mode, which TVM 0.27's importer cannot
-        express: raise a ``ValueError`` (default), or train with dropout as the identity and
-        warn.
+    dropout : "random", "identity" or "error"
+        What a dropout in train mode does: drop at random from the key parameter
+        ``dropout_key`` (default), act as the identity (with a warning), or raise a
+        ``ValueError``.
     func_name : str
         Name of the train-mode function; the eval-mode one is ``<func_name>_eval``.
 
@@ -77,17 +100,21 @@ def from_torch(
     -------
     Model
         ``mod`` with ``<func_name>(*inputs, *params, *buffers)`` in train mode and
-        ``<func_name>_eval`` in eval mode (only when the two differ, as with BatchNorm), both
-        returning ``(output, *new buffers)``;
+        ``<func_name>_eval`` in eval mode (only when the two differ, as with BatchNorm or
+        dropout), both returning ``(output, *new buffers)``; a train-mode function that drops
+        out takes the key last (``key`` names it);
         ``params`` (trainable parameters) and ``buffers`` as numpy arrays by ``state_dict``
         key; ``updates`` (the buffers replaced by fields 1.. of the result); ``state_keys``
-        (the ``state_dict`` keys in order). ``Trainer.for_model(model, ...)`` trains it and
-        ``trainer.state_dict()`` returns tensors for ``module.load_state_dict``.
+        (the ``state_dict`` keys in order); ``aliases`` (the other keys of tied tensors).
+        ``Trainer.for_model(model, ...)`` trains it and ``trainer.state_dict()`` returns
+        tensors for ``module.load_state_dict``.
 
     Raises
     ------
     ValueError
-        If the module drops out in train mode and ``dropout="error"``, or if TVM's importer
+        If the module drops out in train mode and ``dropout="error"``, uses a random op other
+        than dropout and ``bernoulli(x, p)`` (named in the message), if torch.export cannot
+        trace it or TVM's importer cannot convert it (naming the cause), or if TVM's importer
         returns a function this path cannot use.
 
     Examples
@@ -97,29 +124,33 @@ def from_torch(
     >>> trainer.step(x, y)
     >>> net.load_state_dict(trainer.state_dict())
     """
-    if dropout not in ("error", "identity"):
-        raise ValueError(f"from_torch: dropout must be 'error' or 'identity', not {dropout!r}")
+    if dropout not in ("random", "identity", "error"):
+        raise ValueError(
+            f"from_torch: dropout must be 'random', 'identity' or 'error', not {dropout!r}")
     example_inputs = tuple(example_inputs)
     state = module.state_dict()
     param_keys = [name for name, _ in module.named_parameters()]
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
     buffer_keys = [name for name, _ in module.named_buffers()]
     input_names = _input_names(module, len(example_inputs))
+    aliases = _tied_names(module)
 
     modes = {m: m.training for m in module.modules()}
     try:
         if not module.training:  # a module in train mode keeps its submodules' own modes
             module.train()
-        train = _import(module, example_inputs, input_names, buffer_keys, dropout)
-        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout)
+        train = _import(module, example_inputs, input_names, buffer_keys, dropout, aliases)
+        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout,
+                             aliases)
     finally:
         for submodule, training in modes.items():
             submodule.training = training
 
     names = input_names + param_keys + buffer_keys
-    train = _with_param_names(*train, names, len(example_inputs))
-    evaluation = _with_param_names(*evaluation, names, len(example_inputs))
-    mod = with_function(IRModule(), func_name, train)
+    (train, renames, key, kernels), (evaluation, eval_renames, _, _) = train, evaluation
+    train = _with_param_names(train, renames, names, len(example_inputs), key)
+    evaluation = _with_param_names(evaluation, eval_renames, names, len(example_inputs))
+    mod = with_function(IRModule(kernels), func_name, train)
     eval_func = None  # the same function in both modes (no BatchNorm, no dropout...)
     if not tvm_ffi.structural_equal(train, evaluation):
         eval_func = f"{func_name}_eval"
@@ -134,8 +165,23 @@ def from_torch(
         updates=tuple(buffer_keys),
         eval_func=eval_func,
         state_keys=tuple(state),
+        aliases={k: v for k, v in aliases.items() if k in state},
         torch_state=True,
+        key=None if key is None else DROPOUT_KEY,
     )
+
+
+def _tied_names(module) -> dict[str, str]:
+    """Every other name of a parameter or buffer that the module holds under several names
+    (tied weights, e.g. ``lm_head.weight`` is ``transformer.wte.weight``) -> its first name."""
+    first, aliases = {}, {}
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        canonical = first.setdefault(id(tensor), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
 
 
 def _input_names(module, count: int) -> list[str]:
@@ -148,30 +194,35 @@ def _input_names(module, count: int) -> list[str]:
     return [plain[i] if i < len(plain) else f"input{i}" for i in range(count)]
 
 
-def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str):
+def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str,
+            aliases: dict[str, str]):
     """``main(*inputs, *buffers, *params)`` of ``module`` in its current mode, returning
-    ``(output, *buffers after the forward pass)``, and the renames of its parameters
-    (exported name -> input name or ``state_dict`` key)."""
+    ``(output, *buffers after the forward pass)``; the renames of its parameters (exported
+    name -> input name or ``state_dict`` key; the first name of a tied parameter, by
+    ``aliases``); the dropout key it reads (None if none); and the PrimFuncs it calls (the
+    dropout masks'), by GlobalVar."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
     buffers = dict(module.named_buffers())
-    with warnings.catch_warnings():  # torch 2.13's pytree deprecation noise inside export
+    with warnings.catch_warnings(), _refused("torch.export cannot trace", module):
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
         program = torch.export.export(
             _buffers_as_inputs(module, buffer_keys, len(example_inputs)),
             (*example_inputs, *(buffers[k].detach().clone() for k in buffer_keys)),
         )
         program = program.run_decompositions()
-    if module.training:
-        _check_dropout(program, dropout)
-    mod = from_exported_program(
-        program,
-        keep_params_as_input=True,
-        custom_convert_map={"_native_batch_norm_legit_functional.default": _batch_norm_train},
-        run_ep_decomposition=False,
-    )
-    func = mod["main"]
+    _check_random(program, dropout if module.training else "eval")
+    masks = _Masks(dropout)
+    converters = {name: getattr(masks, name.split(".")[0].strip("_")) for name in _RANDOM_OPS}
+    with _refused("TVM's importer cannot convert", module):
+        mod = from_exported_program(
+            program,
+            keep_params_as_input=True,
+            custom_convert_map={**_CONVERTERS, **converters},
+            run_ep_decomposition=False,
+        )
+    func = _WrapTakes().visit_expr(mod["main"])
     fields = getattr(func.ret_ty, "fields", None)
     if fields is None or len(fields) != 1 + len(buffer_keys):
         raise ValueError(
@@ -181,12 +232,41 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
     renames = {}
     for spec in program.graph_signature.input_specs:
         if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
-            renames[spec.arg.name] = spec.target.removeprefix("module.")
+            target = spec.target.removeprefix("module.")
+            renames[spec.arg.name] = aliases.get(target, target)
     user = [spec.arg.name for spec in program.graph_signature.input_specs
             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     renames.update(zip(user[len(example_inputs):], buffer_keys))
     renames.update(zip(user[: len(example_inputs)], input_names))
-    return func, renames
+    kernels = {gv: f for gv, f in mod.functions_items() if not isinstance(f, relax.Function)}
+    return func, renames, masks.key, kernels
+
+
+@contextlib.contextmanager
+def _refused(what: str, module):
+    """Turn an error of torch.export or TVM's importer (TVM 0.27 asserts on ops it has no
+    converter for) into a ``ValueError`` naming the module; from_torch's own pass through."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, ValueError) and str(e).startswith("from_torch"):
+            raise
+        mode = "train" if module.training else "eval"
+        raise ValueError(
+            f"from_torch: {what} {type(module).__name__} (in {mode} mode)"
+            f"{_attention_hint(module)}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _attention_hint(module) -> str:
+    """A hint for Hugging Face ``transformers`` models whose attention is not eager (torch 2.13
+    cannot always export SDPA attention, e.g. GPT-2's)."""
+    for submodule in module.modules():
+        attention = getattr(getattr(submodule, "config", None), "_attn_implementation", None)
+        if attention not in (None, "eager"):
+            return (f"; {type(submodule).__name__} uses {attention!r} attention: set "
+                    "config._attn_implementation = 'eager' (the same function) and import again")
+    return ""
 
 
 def _buffers_as_inputs(module, buffer_keys: list[str], num_inputs: int):
@@ -214,29 +294,87 @@ def _buffers_as_inputs(module, buffer_keys: list[str], num_inputs: int):
     return BuffersAsInputs(module, buffer_keys, num_inputs)
 
 
-def _check_dropout(program, dropout: str) -> None:
-    """Raise (or warn) when the train-mode graph drops out with a nonzero probability."""
-    found = []
+def _check_random(program, dropout: str) -> None:
+    """Refuse the random ops :class:`_Masks` does not convert (and, with ``dropout="error"``,
+    an active dropout), naming the nodes; warn under ``dropout="identity"``."""
+    import torch
+
+    refused, dropping = [], []
     for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
         name = getattr(node.target, "__name__", "")
-        if node.op == "call_function" and name in _DROPOUT_OPS:
-            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-            train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-            if train and p:
-                found.append(f"{node.name} (p={p})")
-    if not found:
+        tags = getattr(node.target, "tags", ())
+        if name in _RANDOM_OPS:
+            if name == "bernoulli.p" or (_arg(node, 2, "train", True) and _arg(node, 1, "p", 0.5)):
+                found = f"{node.name} ({name}, p={_arg(node, 1, 'p', 0.5)})"
+                (refused if dropout == "eval" else dropping).append(found)
+        elif torch.Tag.nondeterministic_seeded in tags:
+            refused.append(f"{node.name} ({name})")
+    if refused:
+        raise ValueError(
+            f"from_torch: the module uses random ops that relaxgrad cannot import: "
+            f"{', '.join(refused)}. TVM's importer would make them deterministic; only dropout "
+            "and bernoulli(x, p) are converted to keyed random masks."
+        )
+    if not dropping or dropout == "random":
         return
-    message = (
-        f"from_torch: the module drops out in train mode ({', '.join(found)}), but TVM 0.27's "
-        "importer turns dropout into the identity, so training would not drop anything"
-    )
+    message = f"from_torch: the module drops out in train mode ({', '.join(dropping)})"
     if dropout == "error":
         raise ValueError(
-            message + ". Set the dropout probabilities to 0 (or put the dropout layers in eval "
-            "mode, e.g. ``module.dropout.eval()``) before importing, or pass "
-            "dropout='identity' to train without dropout."
+            message + " and dropout='error'. Use dropout='random' (the default) to drop at "
+            "random, or put the dropout layers in eval mode before importing."
         )
-    warnings.warn(message + " (dropout='identity').", stacklevel=3)
+    warnings.warn(message + "; dropout='identity' turns dropout into the identity.",
+                  stacklevel=4)
+
+
+def _arg(node, index: int, name: str, default):
+    """Argument ``index`` (or keyword ``name``) of an FX node."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+class _Masks:
+    """Converters of PyTorch's dropout and ``bernoulli(x, p)`` for TVM's importer: keyed Philox
+    masks (``"random"``; the key var is created on first use, each node gets the next stream)
+    or their means (``"identity"``)."""
+
+    def __init__(self, dropout: str):
+        self.random = dropout == "random"
+        self.key: relax.Var | None = None
+        self.sites = 0
+
+    def _stream(self) -> tuple[relax.Var, int]:
+        if self.key is None:
+            self.key = relax.Var(DROPOUT_KEY, random.KEY_TYPE)
+        self.sites += 1
+        return self.key, self.sites - 1
+
+    def _apply(self, node, importer) -> tuple[relax.Expr, relax.Expr]:
+        """``(y, keep)`` of ``dropout(x, p, train)``."""
+        bb, x = importer.block_builder, importer.env[node.args[0]]
+        p, train = float(_arg(node, 1, "p", 0.5)), bool(_arg(node, 2, "train", True))
+        if not self.random or not train or p == 0.0:
+            return x, bb.emit(op.ones(_ty.shape_of(x), "bool"))
+        key, site = self._stream()
+        y, keep = random.dropout(bb, x, key, p, site)
+        return bb.emit(y), keep
+
+    def native_dropout(self, node, importer) -> relax.Expr:
+        return importer.block_builder.emit(relax.Tuple(list(self._apply(node, importer))))
+
+    def dropout(self, node, importer) -> relax.Expr:
+        return self._apply(node, importer)[0]
+
+    def bernoulli(self, node, importer) -> relax.Expr:
+        """``bernoulli(x, p)``: a float tensor like ``x`` of 1s with probability ``p``."""
+        bb, x = importer.block_builder, importer.env[node.args[0]]
+        p, dtype = float(_arg(node, 1, "p", 0.5)), _ty.dtype_of(x)
+        if not self.random:
+            return bb.emit(op.full_like(x, relax.const(p, dtype)))
+        key, site = self._stream()
+        keep = random.bernoulli(bb, x, key, p, site)
+        return bb.emit(op.astype(keep, dtype))
 
 
 def _batch_norm_train(node, importer) -> relax.Expr:
@@ -272,17 +410,102 @@ def _batch_norm_train(node, importer) -> relax.Expr:
     return bb.emit(relax.Tuple([out, mean, rstd, new_mean, new_var]))
 
 
+def _cat(node, importer) -> relax.Expr:
+    """``cat(tensors, dim)``, skipping PyTorch's legacy empty tensors (shape ``(0,)``), which
+    ``torch.cat`` accepts beside tensors of any rank (Hugging Face's empty key/value caches);
+    TVM's converter refuses the mixed ranks."""
+    tensors = [importer.env[t] for t in node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    kept = [t for t in tensors if not _is_legacy_empty(t)] or tensors[:1]
+    if len(kept) == 1:
+        return kept[0]
+    return importer.block_builder.emit(op.concat(relax.Tuple(kept), axis=dim))
+
+
+def _cumsum(node, importer) -> relax.Expr:
+    """``cumsum(x, dim, dtype=None)``: as in PyTorch, the sum of a bool or integer tensor is
+    int64 (TVM's converter keeps bool, which LLVM cannot add: Hugging Face's masks)."""
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    dtype = node.kwargs.get("dtype")
+    if dtype is not None:
+        dtype = importer._convert_data_type(str(dtype), importer.env)
+    elif not _ty.is_float_dtype(_ty.dtype_of(x)):
+        dtype = "int64"
+    return importer.block_builder.emit(op.cumsum(x, dim, dtype))
+
+
+def _is_legacy_empty(tensor: relax.Expr) -> bool:
+    """Whether ``tensor`` is 1-D of static size 0."""
+    dims = _ty.shape_values(tensor)
+    return len(dims) == 1 and isinstance(dims[0], tvm.tirx.IntImm) and int(dims[0]) == 0
+
+
+def _embedding(node, importer) -> relax.Expr:
+    """``embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)``: rows of
+    ``weight``, where the ``padding_idx`` row gets no gradient, as in PyTorch (TVM's converter
+    drops ``padding_idx``)."""
+    bb = importer.block_builder
+    args = list(node.args) + [None] * (5 - len(node.args))
+    weight, indices = importer.env[args[0]], importer.env[args[1]]
+    padding_idx = -1 if args[2] is None else int(args[2])
+    if args[3]:
+        raise ValueError(
+            f"from_torch: {node.name}: embedding with scale_grad_by_freq=True is not supported"
+        )
+    shape, (rows, width) = _ty.static_shape(indices), _ty.static_shape(weight)
+    flat = bb.emit(op.reshape(bb.emit(op.astype(indices, "int32")), (-1,)))
+    out = bb.emit(op.take(weight, flat, axis=0))
+    if padding_idx != -1:
+        pad = relax.const(padding_idx % rows, "int32")
+        frozen = bb.emit(op.take(bb.emit(stop_gradient(weight)), flat, axis=0))
+        is_pad = bb.emit(op.expand_dims(bb.emit(op.equal(flat, pad)), 1))
+        out = bb.emit(op.where(is_pad, frozen, out))
+    return bb.emit(op.reshape(out, (*shape, width)))
+
+
+@mutator
+class _WrapTakes(PyExprMutator):
+    """``take(..., mode="fast")`` -> ``mode="wrap"``: TVM's importer takes PyTorch's indices,
+    which may count from the end (``x[:, -1]``), in "fast" mode, which reads out of bounds for
+    them (garbage, or a crash) and makes TVM warn at every compile; "wrap" is PyTorch's
+    meaning and the same for every other index."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if is_op(call, "relax.take") and call.attrs.mode == "fast":
+            take = op.take(call.args[0], call.args[1], axis=call.attrs.axis, mode="wrap")
+            return self.builder_.normalize(take)
+        return call
+
+
+_CONVERTERS = {
+    "_native_batch_norm_legit_functional.default": _batch_norm_train,
+    "cat.default": _cat,
+    "concat.default": _cat,
+    "cumsum.default": _cumsum,
+    "embedding.default": _embedding,
+}
+
+
 def _with_param_names(
-    func: relax.Function, renames: dict[str, str], names: list[str], num_inputs: int
+    func: relax.Function, renames: dict[str, str], names: list[str], num_inputs: int,
+    key: relax.Var | None = None,
 ) -> relax.Function:
     """``func`` with its parameters renamed by ``renames`` (exported name -> state_dict key or
-    input name) and ordered as ``names`` (inputs, params, buffers)."""
-    by_name = {renames.get(p.name, p.name): p for p in func.params}
+    input name) and ordered as ``names`` (inputs, params, buffers), then ``key`` if given (the
+    dropout key, a free var of ``func``). Parameters renamed alike (one tied tensor that
+    torch.export passes once per name) become one parameter, so its gradient is the sum of its
+    uses' gradients."""
+    by_name: dict[str, list[relax.Var]] = {}
+    for p in func.params:
+        by_name.setdefault(renames.get(p.name, p.name), []).append(p)
     if sorted(by_name) != sorted(names):
         raise ValueError(
             f"from_torch: TVM's importer made parameters {sorted(by_name)}, expected {names}"
         )
-    old = [by_name[name] for name in names]
-    new = [relax.Var(name, p.ty) for name, p in zip(names, old)]
-    body = func.bind_params(dict(zip(old, new))).body
+    new = [relax.Var(name, by_name[name][0].ty) for name in names]
+    binds = {old: var for name, var in zip(names, new) for old in by_name[name]}
+    body = func.bind_params(binds).body
+    new += [] if key is None else [key]
     return relax.Function(new, body, func.ret_ty, func.is_pure).with_attr("num_input", num_inputs)

@@ -14,9 +14,11 @@ import relaxgrad
 
 from .. import _ty
 from .._module import with_function
+from ..ops import random
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
+from .distributed import data_parallel, rank_device
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
@@ -76,6 +78,21 @@ class Trainer:
         for the same target before (any process), and store it there otherwise.
     progress : bool
         Show a progress line (tqdm) while a compile takes more than a few seconds.
+    distributed : bool, process group or DataParallel
+        Train data parallel over ``torch.distributed``
+        (:mod:`relaxgrad.training.distributed`): True for the default group (initialized from
+        ``torchrun``'s environment when it is not), or a process group, or a
+        :class:`~relaxgrad.training.distributed.DataParallel`. Each rank's batch is its shard;
+        :meth:`fit` shards the data by rank, and gradients, losses and :meth:`evaluate` are
+        averaged over the ranks.
+    key : str, optional
+        The parameter of the model function that takes a random key (a ``(2,)`` uint32
+        tensor, e.g. ``dropout_key`` of :func:`from_torch`): every call of the train-mode
+        function (each step, each micro-batch) gets a new one, ``(seed, counter)`` with the
+        counter counting up from 0, so runs from the same seed draw the same masks. The
+        evaluation function must not take it (:meth:`predict` runs without dropout).
+    seed : int
+        The seed of the keys, in ``[0, 2**32)``.
 
     Examples
     --------
@@ -103,8 +120,12 @@ class Trainer:
         accumulate: int = 1,
         cache: bool = True,
         progress: bool = True,
+        distributed=False,
+        key: str | None = None,
+        seed: int = 0,
     ):
         buffers = dict(buffers or {})
+        _check_key(model, func_name, eval_func or func_name, key, seed)
         _check_updates(model, func_name, buffers, updates)
         self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type)
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
@@ -112,16 +133,20 @@ class Trainer:
         self.updates = tuple(updates)
         if target is None:
             target = relaxgrad.pipeline.host_target()
-        self.device = _device(target)
-        self.vm = relax.VirtualMachine(_compile(self.mod, target, cache, progress), self.device)
+        self.device, self.target = rank_device(_device(target), distributed), target
+        self.executable = _compile(self.mod, target, cache, progress)
+        self.vm = relax.VirtualMachine(self.executable, self.device)
 
         names = [p.name for p in model[func_name].params]
         loss_func = self.mod[f"{func_name}_loss"]
         self._param_pos = [i for i, name in enumerate(names) if name in params]
         self._buffer_pos = [i for i, name in enumerate(names) if name in buffers]
+        self._key_pos = names.index(key) if key is not None else None
         self._input_pos = [
-            i for i, name in enumerate(names) if name not in params and name not in buffers
+            i for i, name in enumerate(names)
+            if name not in params and name not in buffers and name != key
         ]
+        self.seed, self.key_counter = seed, 0  # the next key is (seed, key_counter)
         self._inputs = [loss_func.params[i] for i in self._input_pos]
         self._target = loss_func.params[-1]
         self.param_names = [names[i] for i in self._param_pos]
@@ -136,12 +161,16 @@ class Trainer:
         }
         self.state_keys: tuple[str, ...] | None = None
         self.torch_state = False
+        self.aliases: dict[str, str] = {}  # state key -> the parameter or buffer it names
         self._optim_state = [s.copyto(self.device) for s in optimizer.state]
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
         self.steps = 0  # optimizer steps taken (restored by load)
         self.accumulate = check_accumulate(accumulate)
+        self._fit_state: dict | None = None  # where fit is (saved), and where to resume (loaded)
+        self._resume: dict | None = None
+        self.dp = data_parallel(distributed, self)
 
     @classmethod
     def for_model(cls, model: Model, loss: Loss, optimizer: Optimizer, **kwargs) -> Trainer:
@@ -166,8 +195,9 @@ class Trainer:
         """
         trainer = cls(model.mod, model.params, loss, optimizer, func_name=model.func_name,
                       buffers=model.buffers, updates=model.updates, eval_func=model.eval_func,
-                      **kwargs)
+                      key=model.key, **kwargs)
         trainer.state_keys, trainer.torch_state = model.state_keys, model.torch_state
+        trainer.aliases = dict(model.aliases)
         return trainer
 
     @property
@@ -188,9 +218,11 @@ class Trainer:
         dict
             For a model from :func:`from_torch`, the module's ``state_dict`` keys in its order
             and ``torch.Tensor`` values, so ``module.load_state_dict(trainer.state_dict())``
-            loads the trained weights; otherwise numpy arrays, parameters first.
+            loads the trained weights (a tied parameter under each of its names); otherwise
+            numpy arrays, parameters first.
         """
         values = {**self.params, **self.buffers}
+        values.update({key: values[name] for key, name in self.aliases.items()})
         keys = self.state_keys or tuple(values)
         if not self.torch_state:
             return {key: values[key] for key in keys}
@@ -204,7 +236,12 @@ class Trainer:
         Arrays: ``param:<name>``, ``buffer:<name>``, ``optim:step`` and
         ``optim:<slot>:<param name>`` (the optimizer's state tuple, in order); metadata:
         ``format``, ``steps`` (optimizer steps taken), ``params``, ``buffers``, ``optim``
-        (the array names of the optimizer state, in order) and ``optimizer`` (its repr).
+        (the array names of the optimizer state, in order), ``optimizer`` (its repr), ``seed``
+        and ``key_counter`` (the next random key is ``(seed, key_counter)``) and, once
+        :meth:`fit` has stepped, ``fit``: where it is (``epoch`` and ``batch``, the next batch
+        to run; ``rng``, the shuffling generator's state at the start of that epoch; ``seed``,
+        ``shuffle``, ``samples``, ``batch_size``, ``world_size``), from which a :meth:`fit`
+        after :meth:`load` resumes. Readers ignore keys they do not know.
         """
         arrays = {f"param:{n}": v for n, v in self.params.items()}
         arrays.update({f"buffer:{n}": v for n, v in self.buffers.items()})
@@ -212,18 +249,26 @@ class Trainer:
         arrays.update({n: s.numpy() for n, s in zip(optim_names, self._optim_state)})
         meta = {"format": 1, "steps": self.steps, "params": self.param_names,
                 "buffers": self.buffer_names, "optim": optim_names,
-                "optimizer": repr(self.optimizer)}
+                "optimizer": repr(self.optimizer), "seed": self.seed,
+                "key_counter": self.key_counter}
+        if self._fit_state is not None:
+            meta["fit"] = self._fit_state
         return arrays, meta
 
     def save(self, path) -> None:
-        """Write parameters, buffers and optimizer state to ``path`` atomically, in
-        :mod:`relaxgrad.training.state`'s format (TVM's parameter file)."""
-        arrays, meta = self.state_arrays()
-        write_state(path, arrays, meta)
+        """Write parameters, buffers, optimizer state and the position of :meth:`fit` to
+        ``path`` atomically, in :mod:`relaxgrad.training.state`'s format (TVM's parameter
+        file). Data parallel, every rank calls it: rank 0 writes, then all wait for it."""
+        if self.dp is None or self.dp.rank == 0:
+            arrays, meta = self.state_arrays()
+            write_state(path, arrays, meta)
+        if self.dp is not None:
+            self.dp.barrier()
 
     def load(self, path) -> None:
         """Restore what :meth:`save` wrote into this Trainer (built for the same model and
-        optimizer); raises ``ValueError`` naming what does not match."""
+        optimizer); raises ``ValueError`` naming what does not match. The next :meth:`fit`
+        resumes where the saved one was (data parallel: every rank reads ``path``)."""
         arrays, meta = read_state(path)
         wanted = self.state_arrays()[0]
         missing = sorted(set(wanted) - set(arrays))
@@ -242,10 +287,40 @@ class Trainer:
                          for n in self.buffer_names}
         self._optim_state = [tvm.runtime.tensor(arrays[n], to) for n in self._optim_names()]
         self.steps = int(meta["steps"])
+        self._fit_state = self._resume = meta.get("fit")
+        self.seed = int(meta.get("seed", self.seed))
+        self.key_counter = int(meta.get("key_counter", 0))
 
     def _optim_names(self) -> list[str]:
         slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
         return ["optim:step", *slots]
+
+    def export(self, folder, target=None) -> dict:
+        """Write training artifacts that run with TVM's runtime alone, without relaxgrad:
+        the compiled library, the state in :meth:`save`'s format, a manifest and a runner
+        (:mod:`relaxgrad.training.export`); :meth:`load` resumes from the state the runner
+        writes back. The runner takes one optimizer step per batch of the compiled size (no
+        ``accumulate``).
+
+        Parameters
+        ----------
+        folder : str or os.PathLike
+            Where to write them (created if missing).
+        target : str, dict or tvm.target.Target, optional
+            Build for this target (e.g. ``"cuda"``) instead of exporting this Trainer's code.
+
+        Returns
+        -------
+        dict
+            The manifest (also in ``folder/manifest.json``).
+        """
+        from .export import export_trainer
+
+        return export_trainer(self, folder, target)
+
+    def compile_for(self, target) -> relax.VMExecutable:
+        """This Trainer's module (:func:`training_module`) compiled for ``target``."""
+        return _compile(self.mod, target, cache=True, progress=True)
 
     def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """The loss and the gradients on one minibatch, without updating anything.
@@ -264,38 +339,40 @@ class Trainer:
         gradients : dict[str, np.ndarray]
             The gradient of each trainable parameter, by name.
         """
-        if self.accumulate > 1:
-            loss, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
-            return loss, {n: g.numpy() for n, g in zip(self.param_names, grads)}
-        args = self._args(inputs) + [self._to_device(target, self._target, "target")]
-        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
-        loss = _first(out)
-        return float(loss.numpy()), {n: g.numpy() for n, g in zip(self.param_names, grads)}
+        value, grads = self._gradients(inputs, target, update_buffers=False)
+        return value, {n: g.numpy() for n, g in zip(self.param_names, grads)}
 
     def step(self, inputs: Inputs, target: np.ndarray) -> float:
         """One update on one minibatch; returns the loss before the update (and replaces the
         ``updates`` buffers by their new values)."""
-        if self.accumulate > 1:
-            value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
-            new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
-                self._params, grads, self._optim_state
-            )
-            self._params = list(new_params)
-            self.history.append(value)
-            self.steps += 1
-            return value
-        args = self._args(inputs) + [self._to_device(target, self._target, "target")]
-        out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+        value, grads = self._gradients(inputs, target)
         new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
             self._params, grads, self._optim_state
         )
         self._params = list(new_params)
-        if self.updates:  # out is (loss, *new buffer values)
-            self._buffers.update(zip(self.updates, list(out)[1:]))
-        value = float(_first(out).numpy())
         self.history.append(value)
         self.steps += 1
         return value
+
+    def _gradients(self, inputs: Inputs, target: np.ndarray, update_buffers: bool = True):
+        """The loss and gradient tensors of one batch: over ``accumulate`` micro-batches, and
+        averaged over the ranks when data parallel (after rank 0's buffers are broadcast)."""
+        if self.dp is not None:
+            self.dp.broadcast_buffers(self)
+        if self.dp is not None and len(target) == 0:  # a rank without rows in a last batch
+            value, grads = 0.0, None
+        elif self.accumulate > 1:
+            value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
+        else:
+            args = self._args(inputs, train=True)
+            args.append(self._to_device(target, self._target, "target"))
+            out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+            if self.updates and update_buffers:  # out is (loss, *new buffer values)
+                self._buffers.update(zip(self.updates, list(out)[1:]))
+            value = float(_first(out).numpy())
+        if self.dp is not None:
+            return self.dp.mean_gradients(value, grads, len(target), self._params)
+        return value, list(grads)
 
     def fit(
         self,
@@ -306,6 +383,8 @@ class Trainer:
         seed: int = 0,
         shuffle: bool = True,
         progress: bool = True,
+        checkpoint=None,
+        checkpoint_every: int | None = None,
     ) -> list[float]:
         """Train for ``epochs`` over minibatches of ``(x, y)``; returns the per-step losses
         (also appended to ``history``).
@@ -315,19 +394,44 @@ class Trainer:
         the incomplete last batch of an epoch is dropped when the model has a static batch size
         (no padding: a model symbolic in the batch trains on it as it is). ``batch_size``
         defaults to the model's static batch size, and must equal it when there is one.
+
+        Data parallel, ``batch_size`` is each rank's: the epoch's batches have ``world_size``
+        times as many rows, in the same order on every rank, and rank ``r`` takes rows
+        ``r, r + world_size, ...`` of each (the rows ``DistributedSampler`` gives it); only
+        rank 0 shows the progress bar. With ``checkpoint`` (a path), :meth:`save` writes there
+        every ``checkpoint_every`` steps (by default, every epoch) and at the end. After
+        :meth:`load`, fit goes on from the saved position (the same data size, seed, batch
+        size and number of ranks), so a resumed run takes the steps of an uninterrupted one.
         """
         batch_size = self._batch_size(batch_size)
+        world, rank = (1, 0) if self.dp is None else (self.dp.world_size, self.dp.rank)
+        run = {"seed": seed, "shuffle": shuffle, "samples": len(y), "batch_size": batch_size,
+               "world_size": world}
+        if self.dp is not None:
+            self.dp.check_same("the arguments of fit", {**run, "epochs": epochs})
         rng = np.random.default_rng(seed) if shuffle else None
+        first_epoch, first_batch = _resume_point(self._resume, run, rng)
+        self._resume = None
         drop_last = self.batch_size is not None
-        per_epoch = len(minibatches(len(y), batch_size, None, drop_last))
+        per_epoch = len(minibatches(len(y), world * batch_size, None, drop_last))
+        every = checkpoint_every or per_epoch
         losses: list[float] = []
-        with _progress_bar(total=epochs * per_epoch, disable=not progress, unit="step") as bar:
-            for epoch in range(epochs):
+        with _progress_bar(total=epochs * per_epoch, initial=first_epoch * per_epoch + first_batch,
+                           disable=not progress or rank != 0, unit="step") as bar:
+            for epoch in range(first_epoch, epochs):
                 bar.set_description(f"epoch {epoch + 1}/{epochs}")
-                for idx in minibatches(len(y), batch_size, rng, drop_last):
+                rng_state = None if rng is None else rng.bit_generator.state
+                batches = minibatches(len(y), world * batch_size, rng, drop_last)
+                for k in range(first_batch if epoch == first_epoch else 0, len(batches)):
+                    idx = batches[k][rank::world]
                     losses.append(self.step(_take(x, idx), y[idx]))
+                    self._fit_state = {**run, "epoch": epoch, "batch": k + 1, "rng": rng_state}
+                    if checkpoint is not None and self.steps % every == 0:
+                        self.save(checkpoint)
                     bar.update()
                     bar.set_postfix(loss=f"{np.mean(losses[-per_epoch:]):.4f}", refresh=False)
+        if checkpoint is not None and self.steps % every:
+            self.save(checkpoint)
         return losses
 
     def predict(self, x: Inputs) -> np.ndarray:
@@ -337,48 +441,78 @@ class Trainer:
     def evaluate(self, x: Inputs, y: np.ndarray) -> dict[str, float]:
         """``{"loss": mean per-sample loss, "accuracy": ...}`` on ``(x, y)``; accuracy (the
         fraction of argmax predictions equal to the label or the target's argmax) only for
-        classification losses."""
+        classification losses. Data parallel, each rank evaluates its rows (every
+        ``world_size``-th), with rank 0's buffers, and the sums are reduced over the ranks."""
+        if self.dp is not None:
+            self.dp.broadcast_buffers(self)
+            idx = self.dp.shard(len(y))
+            x, y = _take(x, idx), y[idx]
         sample_loss = self.vm[f"{self.func_name}_sample_loss"]
-        losses, preds = [], []
+        loss, correct = 0.0, 0
+        labels = y if y.ndim == 1 else y.argmax(axis=1)
         for pred, idx in self._batched_predictions(x, keep_padding=True):
             target = _pad(y[idx], len(pred))
             per_sample = sample_loss(tvm.runtime.tensor(pred, self.device),
                                      self._to_device(target, self._target, "target"))
-            losses.append(per_sample.numpy()[: len(idx)])
-            preds.append(pred[: len(idx)])
-        result = {"loss": float(np.mean(np.concatenate(losses)))}
+            loss += float(per_sample.numpy()[: len(idx)].sum())
+            if self.loss.classifies:
+                correct += int(np.sum(pred[: len(idx)].argmax(axis=1) == labels[idx]))
+        sums = [loss, correct, len(y)]
+        if self.dp is not None:
+            sums = self.dp.all_sum(sums)
+        result = {"loss": sums[0] / sums[2]}
         if self.loss.classifies:
-            labels = y if y.ndim == 1 else y.argmax(axis=1)
-            result["accuracy"] = float(np.mean(np.concatenate(preds).argmax(axis=1) == labels))
+            result["accuracy"] = sums[1] / sums[2]
         return result
 
     def _batched_predictions(self, x: Inputs, keep_padding: bool = False):
         """``(predictions, indices)`` per batch; padding rows are cut unless ``keep_padding``."""
         x = _as_tuple(x)
         n = len(x[0])
-        size = self.batch_size or n
+        size = self.batch_size or max(n, 1)  # a rank may have no rows to evaluate
         forward = self.vm[self.eval_func]
         for start in range(0, n, size):
             idx = np.arange(start, min(start + size, n))
             batch = tuple(_pad(xi[idx], size) for xi in x)
             pred = _first(forward(*self._args(batch))).numpy()
-            yield (pred if keep_padding else pred[: len(idx)]), idx
+            if keep_padding or len(idx) == size:
+                yield pred, idx
+            elif len(pred) != size:  # e.g. a language model's (batch * seq, vocab) logits
+                raise ValueError(
+                    f"Trainer: {self.eval_func} returns {len(pred)} rows for a batch of {size}, "
+                    f"so the padding of a last batch of {len(idx)} cannot be cut; pass a "
+                    f"multiple of {size} samples")
+            else:
+                yield pred[: len(idx)], idx
 
-    def _args(self, inputs: Inputs) -> list:
-        """The model function's arguments: inputs and parameters in parameter order."""
+    def _args(self, inputs: Inputs, train: bool = False) -> list:
+        """The model function's arguments: inputs and parameters in parameter order; with
+        ``train``, the next random key too (the train-mode function's key parameter)."""
         inputs = _as_tuple(inputs)
         if len(inputs) != len(self._inputs):
             raise ValueError(
                 f"Trainer: {self.func_name} takes {len(self._inputs)} inputs, got {len(inputs)}"
             )
-        args = [None] * (len(self._input_pos) + len(self._param_pos) + len(self._buffer_pos))
+        size = len(self._input_pos) + len(self._param_pos) + len(self._buffer_pos)
+        args = [None] * (size + (self._key_pos is not None))
         for pos, value, var in zip(self._input_pos, inputs, self._inputs):
             args[pos] = self._to_device(value, var, "input")
         for pos, value in zip(self._param_pos, self._params):
             args[pos] = value
         for pos, name in zip(self._buffer_pos, self.buffer_names):
             args[pos] = self._buffers[name]
+        if self._key_pos is None:
+            return args
+        if not train:  # the evaluation function has no key
+            return args[: self._key_pos] + args[self._key_pos + 1 :]
+        args[self._key_pos] = self._next_key()
         return args
+
+    def _next_key(self) -> tvm.runtime.Tensor:
+        """The key ``(seed, key_counter)``; counts the counter up."""
+        key = np.array([self.seed, self.key_counter % 2**32], dtype="uint32")
+        self.key_counter += 1
+        return tvm.runtime.tensor(key, self.device)
 
     def _to_device(self, value, var: relax.Var, what: str) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
@@ -464,6 +598,40 @@ def _check_updates(model: IRModule, func_name: str, buffers: Mapping, updates: S
         )
 
 
+def _resume_point(saved: dict | None, run: dict, rng) -> tuple[int, int]:
+    """``(epoch, batch)`` where :meth:`Trainer.fit` resumes the ``saved`` run (restoring the
+    shuffling ``rng`` to that epoch's start), ``(0, 0)`` without one; ValueError when ``run``
+    is another run."""
+    if saved is None:
+        return 0, 0
+    differ = [f"{key} {saved.get(key)!r} (now {value!r})" for key, value in run.items()
+              if saved.get(key) != value]
+    if differ:
+        raise ValueError("Trainer.fit: cannot resume the loaded run, which had "
+                         + ", ".join(differ))
+    if rng is not None:
+        rng.bit_generator.state = saved["rng"]
+    return int(saved["epoch"]), int(saved["batch"])
+
+
+def _check_key(model: IRModule, func_name: str, eval_func: str, key: str | None, seed) -> None:
+    """``key`` names a (2,) uint32 parameter of the train function, absent from the (separate)
+    evaluation function; ``seed`` fits in 32 bits."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+        raise ValueError(f"Trainer: seed must be an int in [0, 2**32), not {seed!r}")
+    if key is None:
+        return
+    params = {p.name: p for p in model[func_name].params}
+    if key not in params:
+        raise ValueError(f"Trainer: {func_name} has no key parameter {key!r}")
+    if not random.is_key(params[key]):
+        raise ValueError(f"Trainer: the key parameter {key!r} of {func_name} must be a (2,) "
+                         f"uint32 tensor, not {params[key].ty}")
+    if eval_func == func_name or key in {p.name for p in model[eval_func].params}:
+        raise ValueError(f"Trainer: the model takes a random key {key!r}, so it needs an "
+                         f"evaluation function without it (eval_func), not {eval_func}")
+
+
 def _progress_bar(**kwargs):
     """A tqdm bar: the notebook widget when ipywidgets is installed and we run in a notebook,
     else the text bar (``tqdm.auto`` would warn ``IProgress not found`` in a notebook without
@@ -484,22 +652,26 @@ def _names(mod: IRModule) -> set[str]:
 def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExecutable:
     """``relaxgrad.compile``, with a line showing the time spent once it takes over
     :data:`PROGRESS_DELAY` seconds."""
-    bar = _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
-                        delay=PROGRESS_DELAY, disable=not progress, leave=False)
     stop = threading.Event()
 
-    def tick():
-        while not stop.wait(0.5):
-            bar.refresh()
+    def show():
+        if stop.wait(PROGRESS_DELAY):
+            return
+        with _progress_bar(desc="relaxgrad: compiling", bar_format="{desc} {elapsed}",
+                           leave=False) as bar:
+            bar.start_t -= PROGRESS_DELAY  # elapsed since the compile began
+            while not stop.wait(1.0):
+                bar.refresh()
 
-    ticker = threading.Thread(target=tick, daemon=True)
-    ticker.start()
+    ticker = threading.Thread(target=show, daemon=True) if progress else None
+    if ticker is not None:
+        ticker.start()
     try:
         return relaxgrad.compile(mod, target, cache=cache)
     finally:
         stop.set()
-        ticker.join()
-        bar.close()
+        if ticker is not None:
+            ticker.join()
 
 
 def _device(target) -> tvm.runtime.Device:

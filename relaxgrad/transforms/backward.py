@@ -120,6 +120,8 @@ class BackwardWalk:
 
     def visit_call(self, var: Var, call: relax.Call) -> None:
         adjoint = self.store[var]
+        if is_op(call, "relax.call_tir") and _ty.nested_all(var.ty, _not_float):
+            return  # e.g. a random mask: no gradient flows into bool or integer values
         if is_op(call, "relax.call_tir"):
             raise GradientError(
                 f"Gradient: in function {self.func_name}, {var.name} is bound to call_tir "
@@ -287,6 +289,10 @@ class BackwardWalk:
         if orig_ret is None:
             return relax.Tuple(outs)
         return relax.Tuple([orig_ret, relax.Tuple(outs)])
+
+
+def _not_float(ty) -> bool:
+    return not _ty.is_float_tensor(ty)
 
 
 def _check_partials(partials, args, who: str, var: Var, call: relax.Call) -> list:

@@ -19,6 +19,7 @@ from .. import _ty
 from .._module import with_function
 from .._stack import with_deep_stack
 from ..errors import GradientError
+from ..ops import random
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
 from .custom import CUSTOM_GRADIENT_ATTR, custom_vjp
@@ -249,13 +250,19 @@ def _seed_params(request: Request, targets: list) -> list:
 
 
 # -- checkpoint decision -----------------------------------------------------------------------
-def _decide(request: Request, info: CheckpointInfo, params, targets, mod) -> None:
+def _decide(request: Request, info: CheckpointInfo, params, targets, mod, split: bool) -> None:
     """Set ``info.checkpoints`` with the request's policy; values that cannot be recomputed
-    (match_cast, If, calls of functions, impure calls) are always kept."""
+    (match_cast, If, calls of functions, impure calls) are always kept; in ``split`` mode random
+    masks never are (each is a pure function of its key, the residual instead)."""
     if request.checkpoint != "markers":
         from .policies import decide
 
         info.checkpoints = decide(request.checkpoint, info, params, targets)
+    masks = {b.var for b in info.bindings if split and random.is_mask(b.value, mod)}
+    if masks:  # recomputed from the key: split mode's residual is the key, not the mask
+        if info.checkpoints is None:
+            info.checkpoints = {b.var for b in info.bindings} | set(params)
+        info.checkpoints -= masks
     if info.checkpoints is None:
         return
     for b in info.bindings:
@@ -408,7 +415,7 @@ def _differentiate(
         if seed_params:
             bb.end_scope()
             bb.begin_scope(params + seed_params)
-        _decide(request, info, params, targets, mod)
+        _decide(request, info, params, targets, mod, split=forward_keys is not None)
         if forward_keys is not None:
             forward_keys.update(_ty.key(b.var) for b in info.bindings)
         if request.require_grads is None:

@@ -222,8 +222,6 @@ CASES += [
 
 
 CASES += [
-    Case("dropout", lambda x: relax.TupleGetItem(op.nn.dropout(x, 0.3), 0), [(3, 4)]),
-    Case("dropout_both_outputs", lambda x: op.nn.dropout(x), [(3, 4)]),
     Case("prelu", lambda x, a: op.nn.prelu(x, a), [(2, 3, 4), (3,)]),
     Case("prelu_last_axis", lambda x, a: op.nn.prelu(x, a, -1), [(2, 3, 4), (4,)]),
     Case("prelu_shared_alpha", lambda x, a: op.nn.prelu(x, a), [(2, 3, 4), (1,)]),

@@ -397,3 +397,45 @@ def test_gemm_flushes_denormals_and_restores_the_thread(split_k):
     want[0] = 1.0
     np.testing.assert_array_equal(out.numpy(), want)  # without the flush: k * 1e-39 each
     assert np.float32(1e-39) * np.float32(0.5) > 0  # this thread's mode was restored
+
+
+# A fresh process with TVM's runtime alone: load the library, run main, compare with numpy.
+_RUNTIME_ONLY = """
+import sys
+import numpy as np
+import tvm
+from tvm.runtime.vm import VirtualMachine
+vm = VirtualMachine(tvm.runtime.load_module(sys.argv[1]), tvm.cpu())
+a, b = np.load(sys.argv[2]).values()
+out = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
+np.testing.assert_allclose(out, a @ b.transpose(0, 2, 1), rtol=1e-4, atol=1e-4)
+maps = open("/proc/self/maps").read()
+print("COMPILER", "libtvm_compiler" in maps, "OPENBLAS", "scipy_openblas32" in maps)
+"""
+
+
+def test_exported_library_runs_with_the_runtime_alone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    shapes = ((4, 64, 96), (4, 80, 96), False, True)
+    executable = relaxgrad.compile(_module(*shapes))
+    assert "scipy_cblas_sgemm" in executable.mod.imports[0].inspect_source("ll")
+    executable.export_library(str(tmp_path / "lib.so"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "ab.npz", *(rng.standard_normal(s).astype("float32") for s in shapes[:2]))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TVM_USE_RUNTIME_LIB"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNTIME_ONLY, str(tmp_path / "lib.so"), str(tmp_path / "ab.npz")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "COMPILER False OPENBLAS True" in done.stdout
+
+
+def test_only_executables_calling_openblas_link_it():
+    small = relaxgrad.compile(_module((8, 8), (8, 8), False, False))
+    large = relaxgrad.compile(_module(*CASES[0]))
+    assert not small.blas_linked and large.blas_linked

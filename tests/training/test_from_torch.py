@@ -74,6 +74,31 @@ class AttentionBlock(nn.Module):
         return self.head(torch.nn.functional.gelu(x).mean(dim=1))
 
 
+class TiedEmbeddings(nn.Module):
+    """An output layer tied to the input embedding (one parameter, two names), a second
+    embedding with a padding row, and positions from the cumsum of a bool mask."""
+
+    def __init__(self, vocab=12, dim=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pad_embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.head = nn.Linear(dim, 5, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        positions = (tokens != 0).cumsum(-1)
+        h = self.embed(tokens) + self.pad_embed(tokens) * positions.unsqueeze(-1).float()
+        h = h + self.out(h)[..., :6]
+        return self.head(h).mean(1)
+
+
+def _tokens(rng):
+    tokens = rng.integers(0, 12, (BATCH, 5))
+    tokens[:, -1] = 0
+    return tokens
+
+
 def _images(rng):
     return rng.standard_normal((BATCH, 1, 8, 8)).astype("float32")
 
@@ -87,6 +112,8 @@ CASES = {
                            lambda p: torch.optim.SGD(p, 0.1, momentum=0.9)),
     "embedding-adam": (EmbeddingBag, lambda rng: rng.integers(0, 20, (BATCH, 6)),
                        lambda: Adam(1e-2), lambda p: torch.optim.Adam(p, 1e-2)),
+    "tied-embeddings-sgd": (TiedEmbeddings, _tokens, lambda: SGD(0.1),
+                            lambda p: torch.optim.SGD(p, 0.1)),
     "attention-sgd": (AttentionBlock, lambda rng: rng.standard_normal((BATCH, 4, 8))
                       .astype("float32"), lambda: SGD(0.5), lambda p: torch.optim.SGD(p, 0.5)),
 }
@@ -165,15 +192,84 @@ class Dropper(nn.Module):
         return self.drop(self.fc(x))
 
 
-def test_dropout_in_train_mode_is_refused():
+def test_dropout_modes():
     x = (torch.zeros(2, 4),)
-    with pytest.raises(ValueError, match=r"drops out in train mode .*p=0\.5.*identity"):
-        from_torch(Dropper(0.5), x)
+    with pytest.raises(ValueError, match=r"drops out in train mode .*p=0\.5.*dropout='error'"):
+        from_torch(Dropper(0.5), x, dropout="error")
     with pytest.warns(UserWarning, match="turns dropout into the identity"):
-        from_torch(Dropper(0.5), x, dropout="identity")
+        model = from_torch(Dropper(0.5), x, dropout="identity")
+    assert model.key is None
+    assert from_torch(Dropper(0.5), x).key == "dropout_key"  # the default drops at random
     net = Dropper(0.5)
     net.drop.eval()  # a dropout layer in eval mode is the identity in PyTorch too
-    model = from_torch(net, x)
+    model = from_torch(net, x, dropout="error")
     assert net.fc.training is not False and not net.drop.training  # modes restored
-    assert set(model.params) == {"fc.weight", "fc.bias"}
-    from_torch(Dropper(0.0), x)
+    assert set(model.params) == {"fc.weight", "fc.bias"} and model.key is None
+    assert from_torch(Dropper(0.0), x, dropout="error").key is None
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x  # data-dependent control flow: export cannot trace
+
+
+class Unconvertible(nn.Module):
+    def forward(self, x):
+        return torch.special.i0(x)  # no converter in TVM 0.27's importer
+
+
+@pytest.mark.parametrize("net, cause", [(Branchy(), "torch.export cannot trace Branchy"),
+                                        (Unconvertible(), "TVM's importer cannot convert "
+                                         r"Unconvertible .*i0")])
+def test_what_cannot_be_imported_is_named(net, cause):
+    with pytest.raises(ValueError, match=f"from_torch: {cause}"):
+        from_torch(net, (torch.ones(2, 3),))
+
+
+def test_transformers_sdpa_attention_that_cannot_be_exported_is_named():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    net = _FlatLogits(transformers.GPT2LMHeadModel(config))
+    assert net.model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"torch.export cannot trace .*GPT2LMHeadModel uses "
+                       r"'sdpa' attention: set config._attn_implementation = 'eager'"):
+        from_torch(net, (torch.zeros(2, 4, dtype=torch.int64),))
+
+
+class _FlatLogits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        logits = self.model(tokens).logits
+        return logits.reshape(-1, logits.shape[-1])
+
+
+def test_negative_indices_count_from_the_end_and_compile_quietly(capfd):
+    """``x[:, -1]`` imports as a take of index -1: PyTorch's value and gradient (TVM's importer
+    takes it in "fast" mode, which reads out of bounds), and no compile warning."""
+    torch.manual_seed(0)
+
+    class Last(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(7, 4), torch.nn.Linear(4, 3)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids)[:, -1])
+
+    net, ids, y = Last(), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([0, 2])
+    model = from_torch(net, (ids,))
+    assert 'mode="fast"' not in model.mod.script()
+    capfd.readouterr()
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1), cache=False)
+    captured = capfd.readouterr()
+    assert "Warning" not in captured.err + captured.out, captured.err
+    loss, grads = trainer.gradients(ids.numpy(), y.numpy())
+    expected = torch.nn.functional.cross_entropy(net(ids), y)
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    for name, param in net.named_parameters():
+        np.testing.assert_allclose(grads[name], param.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -85,3 +85,45 @@ def test_trainer_load_refuses_another_models_state(tmp_path):
     wide = Trainer.for_model(mlp(8, hidden=(32,)), CrossEntropyLoss(), SGD(0.1))
     with pytest.raises(ValueError, match="Trainer.load: .*param:"):
         wide.load(tmp_path / "ckpt")
+
+
+def test_fit_resumes_mid_epoch_from_its_checkpoint(tmp_path):
+    """fit checkpoints its position (epoch, batch, shuffling state); a fresh Trainer that loads
+    the checkpoint of step 4 (mid-epoch 2) and fits again takes steps 5..9 of the whole run."""
+    from relaxgrad.training import Adam, CrossEntropyLoss, Trainer, mlp
+
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((30, 64)).astype("float32"), rng.integers(0, 10, 30)
+
+    def trainer():
+        return Trainer.for_model(mlp(8, hidden=(8,), seed=4), CrossEntropyLoss(), Adam(1e-2))
+
+    straight = trainer()
+    losses = straight.fit(x, y, epochs=3, seed=7, progress=False)
+    assert len(losses) == 9
+
+    interrupted, ckpt = trainer(), tmp_path / "ckpt"
+    step = interrupted.step
+
+    def failing_step(*args):
+        if interrupted.steps == 5:
+            raise KeyboardInterrupt
+        return step(*args)
+
+    interrupted.step = failing_step
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(x, y, epochs=3, seed=7, progress=False, checkpoint=ckpt,
+                        checkpoint_every=2)
+    _, meta = read_state(ckpt)
+    assert meta["steps"] == 4 and (meta["fit"]["epoch"], meta["fit"]["batch"]) == (1, 1)
+
+    resumed = trainer()
+    resumed.load(ckpt)
+    with pytest.raises(ValueError, match="cannot resume the loaded run, which had seed 7"):
+        resumed.fit(x, y, epochs=3, seed=8, progress=False)
+    resumed.load(ckpt)
+    assert resumed.fit(x, y, epochs=3, seed=7, progress=False) == losses[4:]
+    for name, value in straight.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value)
+    # without a load, fit starts a new run (not at the saved end of epoch 3, which has none)
+    assert len(resumed.fit(x, y, epochs=1, seed=7, progress=False)) == 3

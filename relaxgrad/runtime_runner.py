@@ -1,0 +1,176 @@
+"""Train from the artifacts of ``Trainer.export`` with TVM's runtime alone.
+
+``Trainer.export(folder)`` copies this file into ``folder`` as ``runner.py``, beside the
+compiled library, the state file and ``manifest.json``; there it needs only numpy, TVM's runtime
+(``TVM_USE_RUNTIME_LIB=1`` loads no compiler) and its neighbour ``state.py``, the state file
+format. As a script::
+
+    TVM_USE_RUNTIME_LIB=1 python folder/runner.py folder --data batches.npz --steps 10
+
+trains ``--steps`` steps on consecutive batches of the arrays in ``batches.npz`` (one per model
+input, by name, and ``target``), starting over at the end, printing each loss, and writes the
+parameters and optimizer state back to the state file (or ``--out``), which ``Trainer.load``
+resumes from. In a program: ``Runner(folder)``, then ``step``, ``predict`` and ``save``.
+
+A training step is the two calls the manifest names under ``functions``::
+
+    out, grads = vm[loss_adjoint](*arguments, target)        # loss and gradients
+    params, optim = vm[optimizer](params, grads, optim)      # the optimizer's update
+
+``arguments`` are the model function's parameters in order (``manifest["arguments"]``: each an
+input, a parameter or a buffer); ``out`` is the loss, or ``(loss, *new buffer values)`` when
+the manifest lists ``updates``. ``predict`` runs the model function itself on the same
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+
+import numpy as np
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+try:  # inside relaxgrad
+    from .training.state import read_state, write_state
+except ImportError:  # the copy beside the artifacts, with state.py as its neighbour
+    from state import read_state, write_state
+
+__all__ = ["MANIFEST", "Runner", "main"]
+
+MANIFEST = "manifest.json"
+
+
+class Runner:
+    """A training loop over exported artifacts: parameters, buffers and optimizer state live
+    on the device as tensors between steps, as in ``Trainer``.
+
+    Parameters
+    ----------
+    folder : str or os.PathLike
+        The folder ``Trainer.export`` wrote.
+    state : str or os.PathLike, optional
+        A state file to start from instead of the folder's (e.g. a later checkpoint).
+    """
+
+    def __init__(self, folder, state=None):
+        self.folder = os.fspath(folder)
+        with open(os.path.join(self.folder, MANIFEST)) as f:
+            self.manifest = json.load(f)
+        self.device = tvm.device(self.manifest["device"], 0)
+        _load_device_runtime(self.manifest["device"])
+        library = tvm.runtime.load_module(os.path.join(self.folder, self.manifest["library"]))
+        self.vm = VirtualMachine(library, self.device)
+        self.load(state if state is not None else self.state_path)
+
+    @property
+    def state_path(self) -> str:
+        """The folder's state file."""
+        return os.path.join(self.folder, self.manifest["state"])
+
+    def load(self, path) -> None:
+        """Take parameters, buffers, optimizer state and step count from a state file."""
+        arrays, self.meta = read_state(path)
+        names = ([f"param:{n}" for n in self.manifest["params"]] + self.manifest["optim"]
+                 + [f"buffer:{n}" for n in self.manifest["buffers"]])  # fmt: skip
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise ValueError(f"Runner: {os.fspath(path)} lacks {missing}")
+        tensor = self._tensor
+        self.params = [tensor(arrays[f"param:{n}"]) for n in self.manifest["params"]]
+        self.buffers = {n: tensor(arrays[f"buffer:{n}"]) for n in self.manifest["buffers"]}
+        self.optim_state = [tensor(arrays[n]) for n in self.manifest["optim"]]
+        self.steps = int(self.meta["steps"])
+
+    def step(self, inputs, target: np.ndarray) -> float:
+        """One optimizer step on one batch; returns the loss before the update."""
+        functions = self.manifest["functions"]
+        arguments = self._arguments(inputs)
+        target = self._checked(target, self.manifest["target_input"])
+        out, grads = self.vm[functions["loss_adjoint"]](*arguments, target)
+        new_params, new_state = self.vm[functions["optimizer"]](
+            self.params, grads, self.optim_state
+        )
+        self.params, self.optim_state = list(new_params), list(new_state)
+        updates = self.manifest["updates"]
+        if updates:  # out is (loss, *new buffer values)
+            self.buffers.update(zip(updates, list(out)[1:]))
+            out = out[0]
+        self.steps += 1
+        return float(out.numpy())
+
+    def predict(self, inputs) -> np.ndarray:
+        """The model's result on one batch (field 0 of a tuple result)."""
+        out = self.vm[self.manifest["functions"]["predict"]](*self._arguments(inputs))
+        return (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
+
+    def state_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
+        """The state as ``Trainer.state_arrays`` has it: named arrays and metadata."""
+        arrays = {f"param:{n}": p.numpy() for n, p in zip(self.manifest["params"], self.params)}
+        arrays.update({f"buffer:{n}": b.numpy() for n, b in self.buffers.items()})
+        arrays.update({n: s.numpy() for n, s in zip(self.manifest["optim"], self.optim_state)})
+        return arrays, {**self.meta, "steps": self.steps}
+
+    def save(self, path=None) -> None:
+        """Write the state (to the folder's state file by default), atomically."""
+        write_state(self.state_path if path is None else path, *self.state_arrays())
+
+    def _arguments(self, inputs) -> list:
+        """The model function's arguments: inputs, parameters and buffers in its order."""
+        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        specs = [a for a in self.manifest["arguments"] if a["kind"] == "input"]
+        if len(inputs) != len(specs):
+            raise ValueError(f"Runner: the model takes {len(specs)} inputs, got {len(inputs)}")
+        given = iter(self._checked(x, spec) for x, spec in zip(inputs, specs))
+        params = dict(zip(self.manifest["params"], self.params))
+        values = {"input": lambda _: next(given), "param": params.get, "buffer": self.buffers.get}
+        return [values[a["kind"]](a["name"]) for a in self.manifest["arguments"]]
+
+    def _checked(self, value, spec: dict) -> tvm.runtime.Tensor:
+        """``value`` on the device, with the dtype and (static) shape of ``spec``."""
+        value = np.asarray(value)
+        shape = spec["shape"]
+        if len(value.shape) != len(shape) or any(
+            isinstance(d, int) and d != n for d, n in zip(shape, value.shape)
+        ):
+            raise ValueError(f"Runner: {spec['name']} must have shape {shape}, got {value.shape}")
+        return self._tensor(value.astype(spec["dtype"], copy=False))
+
+    def _tensor(self, value: np.ndarray) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.array(value, order="C"), self.device)  # (keeps 0-d)
+
+
+def _load_device_runtime(device: str) -> None:
+    """Load TVM's runtime for a GPU (``libtvm_runtime_cuda.so``), which registers the loader
+    of the library's device code and which ``TVM_USE_RUNTIME_LIB=1`` does not load."""
+    path = os.path.join(os.path.dirname(tvm.__file__), "lib", f"libtvm_runtime_{device}.so")
+    if device != "cpu" and os.path.exists(path):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def main(argv=None) -> None:
+    """The command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="Train from Trainer.export's artifacts.")
+    parser.add_argument("folder")
+    parser.add_argument("--data", required=True, help=".npz: the inputs by name, and target")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--out", help="state file to write (default: the folder's)")
+    args = parser.parse_args(argv)
+    runner = Runner(args.folder)
+    data = np.load(args.data)
+    names = [a["name"] for a in runner.manifest["arguments"] if a["kind"] == "input"]
+    rows = len(data["target"])
+    batch = runner.manifest["batch_size"] or rows
+    for i in range(args.steps):
+        start = i * batch % rows
+        index = np.arange(start, start + batch) % rows
+        loss = runner.step([data[n][index] for n in names], data["target"][index])
+        print(f"step {runner.steps}: loss {loss:.6f}")
+    runner.save(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Training artifacts that run with TVM's runtime alone (:meth:`Trainer.export`).
+
+A folder holds the compiled library (``train.so``: the loss adjoint, the optimizer step, the
+model function and the per-sample loss), the parameters, buffers and optimizer state in
+:mod:`relaxgrad.training.state`'s format (``state.params``, the file ``Trainer.save`` writes and
+``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments
+with their names, shapes and dtypes, the loss target's, the state's array order, optimizer,
+loss and target), and ``runner.py`` with ``state.py``, a training loop that needs only numpy
+and TVM's runtime (:mod:`relaxgrad.runtime_runner`). A CPU library calling OpenBLAS gets the
+``scipy-openblas32`` wheel's library beside it, which it finds by its run path ``$ORIGIN``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import tvm
+
+from .. import _ty, runtime_runner
+from ..pipeline import Executable, resolve_target
+from ..schedules import blas
+from . import state
+from .trainer import _device
+
+__all__ = ["LIBRARY", "STATE", "export_trainer"]
+
+LIBRARY = "train.so"
+STATE = "state.params"
+
+
+def export_trainer(trainer, folder, target=None) -> dict:
+    """Write ``trainer``'s training artifacts to ``folder`` (see the module docstring).
+
+    Parameters
+    ----------
+    trainer : Trainer
+        Its current parameters and optimizer state are exported.
+    folder : str or os.PathLike
+        Created if missing; files of the same names are replaced.
+    target : str, dict or tvm.target.Target, optional
+        Build for this target (e.g. ``"cuda"``, which needs no GPU to build) instead of
+        reusing the Trainer's compiled code.
+
+    Returns
+    -------
+    dict
+        The manifest.
+    """
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    if target is None:
+        executable, target = trainer.executable, resolve_target(trainer.target)
+    else:
+        target = resolve_target(target)
+        executable = trainer.compile_for(target)
+    library = os.path.join(folder, LIBRARY)
+    executable.export_library(library, **_linker(target))
+    shipped = None
+    if isinstance(executable, Executable) and executable.blas_linked:
+        shipped = os.path.basename(blas.library_path())
+        shutil.copy2(blas.library_path(), os.path.join(folder, shipped))
+    arrays, meta = trainer.state_arrays()
+    state.write_state(os.path.join(folder, STATE), arrays, meta)
+    shutil.copy2(runtime_runner.__file__, os.path.join(folder, "runner.py"))
+    shutil.copy2(state.__file__, os.path.join(folder, "state.py"))
+    manifest = _manifest(trainer, target, shipped)
+    with open(os.path.join(folder, runtime_runner.MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def _linker(target: tvm.target.Target) -> dict:
+    """``export_library``'s arguments for ``target``: for another CPU architecture (an ``llvm``
+    target with its ``mtriple``), its GNU cross compiler ``<mtriple>-gcc``."""
+    if target.kind.name != "llvm" or blas.native_arch(target):
+        return {}
+    compiler = f"{target.attrs['mtriple']}-gcc"
+    if shutil.which(compiler) is None:
+        raise ValueError(f"Trainer.export: linking for {target.attrs['mtriple']} needs the cross "
+                         f"compiler {compiler} (e.g. Debian's gcc-aarch64-linux-gnu)")
+    from tvm.support import cc
+
+    return {"fcompile": cc.cross_compiler(compiler)}
+
+
+def _manifest(trainer, target: tvm.target.Target, shipped: str | None) -> dict:
+    loss_func = trainer.mod[f"{trainer.func_name}_loss"]
+    kinds = {i: "input" for i in trainer._input_pos}
+    kinds.update({i: "param" for i in trainer._param_pos})
+    kinds.update({i: "buffer" for i in trainer._buffer_pos})
+    arguments = [{"kind": kinds[i], **_spec(p)} for i, p in enumerate(loss_func.params[:-1])]
+    name = trainer.func_name
+    loss = trainer.loss
+    return {
+        "format": 1,
+        "library": LIBRARY,
+        "state": STATE,
+        "blas": shipped,
+        "target": str(target),
+        "device": _device(target).type,
+        "functions": {"loss_adjoint": f"{name}_loss_adjoint", "optimizer": f"{name}_optimizer",
+                      "predict": trainer.eval_func, "sample_loss": f"{name}_sample_loss"},
+        "arguments": arguments,
+        "target_input": _spec(trainer._target),
+        "batch_size": trainer.batch_size,
+        "params": trainer.param_names,
+        "buffers": trainer.buffer_names,
+        "updates": list(trainer.updates),
+        "optim": trainer._optim_names(),
+        "optimizer": repr(trainer.optimizer),
+        "loss": f"{type(loss).__name__}(reduction={loss.reduction!r})",
+    }  # fmt: skip
+
+
+def _spec(var) -> dict:
+    """Name, shape (ints, or the names of symbolic dims) and dtype of a parameter var."""
+    shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in _ty.shape_values(var)]
+    return {"name": var.name, "shape": shape, "dtype": _ty.dtype_of(var)}

@@ -1,0 +1,138 @@
+"""Hugging Face ``transformers`` architectures (tiny configs from :mod:`tests.zoo.models`)
+trained through :func:`from_torch` and ``Trainer.for_model`` give PyTorch's losses and gradients.
+
+Per model, one import and one compile shared by its tests (a module-scoped fixture):
+
+- first step: the loss and each parameter's gradient are at least as close to PyTorch's float64
+  ones as PyTorch's own float32 ones are (norm-wise, ``SLACK`` times PyTorch's float32 error
+  plus ``RTOL`` of the norm of the whole float64 gradient, for gradients that are rounding
+  noise, such as attention keys' biases), and the rows of a gradient that PyTorch leaves exactly
+  zero (unused tokens, an embedding's ``padding_idx`` row) are exactly zero;
+- a few SGD steps give PyTorch's float32 losses, and the trained weights load back into the
+  module (a tied parameter under each of its ``state_dict`` keys);
+- eval mode: ``trainer.predict`` equals ``module.eval()(x)`` (and refuses a partial batch of a
+  language model, whose padding rows it could not tell apart);
+- the adjoint has at most ``MAX_ADJOINT_RATIO`` times the forward's bindings.
+
+Each test starts from the Trainer's current weights (loaded into a copy of the module), so the
+tests of one model do not depend on their order.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from relaxgrad.analysis import count_bindings  # noqa: E402
+from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch  # noqa: E402
+
+from .models import PADDED, SDPA, ZOO  # noqa: E402
+
+SLACK, RTOL = 2.0, 1e-7
+STEPS, LR = 3, 0.5
+MAX_ADJOINT_RATIO = 6
+SKIP: dict[str, str] = {}
+#: known adjoints over the limit
+LARGE_ADJOINT: dict[str, str] = {}
+PARAMS = [pytest.param(name, marks=pytest.mark.skip(reason=SKIP[name])) if name in SKIP
+          else name for name in ZOO]
+
+
+class Case:
+    """One model: the torch module, its batch, and the Trainer of its import."""
+
+    def __init__(self, name):
+        self.name = name
+        self.module, inputs, y = ZOO[name](np.random.default_rng(0))
+        self.inputs, self.y = inputs, torch.from_numpy(y)
+        self.x = tuple(t.numpy() for t in inputs)
+        attention = self.module.model.config._attn_implementation
+        assert attention == ("sdpa" if name in SDPA else "eager")
+        self.model = from_torch(self.module, inputs)
+        self.trainer = Trainer.for_model(self.model, CrossEntropyLoss(), SGD(LR))
+
+    def torch_copy(self, dtype=torch.float32):
+        """A copy of the module holding the Trainer's current weights, in train mode."""
+        module = copy.deepcopy(self.module)
+        module.load_state_dict(self.trainer.state_dict())
+        return module.to(dtype).train()
+
+    def torch_gradients(self, dtype):
+        """PyTorch's loss and gradients (float64 numpy arrays) in ``dtype``."""
+        module = self.torch_copy(dtype)
+        inputs = [t.to(dtype) if t.is_floating_point() else t for t in self.inputs]
+        loss = torch.nn.functional.cross_entropy(module(*inputs), self.y)
+        loss.backward()
+        grads = {n: p.grad.double().numpy() for n, p in module.named_parameters()}
+        return loss.item(), grads
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def case(request):
+    return Case(request.param)
+
+
+def _zero_rows(grad: np.ndarray) -> np.ndarray:
+    """Indices of the rows (along axis 0) that are exactly zero."""
+    return np.flatnonzero(~grad.reshape(len(grad), -1).any(axis=1))
+
+
+def test_first_step_is_as_close_to_float64_as_torch_float32(case):
+    loss, grads = case.trainer.gradients(case.x, case.y.numpy())
+    loss64, grads64 = case.torch_gradients(torch.float64)
+    loss32, grads32 = case.torch_gradients(torch.float32)
+    assert abs(loss - loss64) <= SLACK * abs(loss32 - loss64) + RTOL * abs(loss64)
+    assert set(grads) == set(grads64)
+    scale = np.sqrt(sum(np.sum(g**2) for g in grads64.values()))
+    for name, exact in grads64.items():
+        ours = grads[name].astype("float64")
+        error, torch_error = np.linalg.norm(ours - exact), np.linalg.norm(grads32[name] - exact)
+        assert error <= SLACK * torch_error + RTOL * scale, (name, error, torch_error)
+        if exact.ndim >= 2:
+            zero = np.intersect1d(_zero_rows(exact), _zero_rows(grads32[name]))
+            assert not ours[zero].any(), (name, zero)
+    if case.name in PADDED:  # the batch has padding tokens, whose embedding row stays fixed
+        key, pad = PADDED[case.name]
+        assert (case.inputs[0].numpy() == pad).any() and not grads64[key][pad].any()
+        assert not grads[key][pad].any()
+
+
+def test_steps_follow_torch(case):
+    module = case.torch_copy()
+    optimizer = torch.optim.SGD(module.parameters(), LR)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        expected = torch.nn.functional.cross_entropy(module(*case.inputs), case.y)
+        expected.backward()
+        optimizer.step()
+        assert case.trainer.step(case.x, case.y.numpy()) == pytest.approx(expected.item(),
+                                                                          rel=1e-4)
+    state = case.trainer.state_dict()
+    assert list(state) == list(module.state_dict())
+    for key, value in module.state_dict().items():
+        np.testing.assert_allclose(state[key].numpy(), value.numpy(), rtol=1e-3, atol=1e-5,
+                                   err_msg=key)
+
+
+def test_predict_is_eval_mode(case):
+    module = case.torch_copy().eval()
+    with torch.no_grad():
+        expected = module(*case.inputs).numpy()
+    np.testing.assert_allclose(case.trainer.predict(case.x), expected, rtol=1e-4, atol=1e-5)
+    if len(expected) != len(case.x[0]):  # a language model's (batch * seq, vocab) logits
+        with pytest.raises(ValueError, match="padding of a last batch of 1 cannot be cut"):
+            case.trainer.predict(tuple(x[:1] for x in case.x))
+
+
+def test_adjoint_size(case, record_property, request):
+    if case.name in LARGE_ADJOINT:
+        request.applymarker(pytest.mark.xfail(reason=LARGE_ADJOINT[case.name], strict=True))
+    func = case.model.func_name
+    forward = count_bindings(case.trainer.mod[func])
+    adjoint = count_bindings(case.trainer.mod[f"{func}_loss_adjoint"])
+    record_property("bindings", f"{case.name}: forward {forward}, adjoint {adjoint}")
+    print(f"{case.name}: forward {forward} bindings, adjoint {adjoint} ({adjoint / forward:.1f}x)")
+    assert adjoint <= MAX_ADJOINT_RATIO * forward
