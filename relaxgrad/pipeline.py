@@ -40,6 +40,7 @@ from .schedules import (
     ConvToMatmul,
     DuplicateCheapProducers,
     FastMath,
+    FoldConstantCalls,
     FuseColumnSums,
     FuseRowGroups,
     FuseRowReductions,
@@ -52,6 +53,7 @@ from .schedules import (
 )
 from .schedules import blas
 from .schedules._common import is_gpu
+from .schedules.cpu import forget_inlined
 from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -130,7 +132,10 @@ def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
-        built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        try:
+            built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
+        finally:
+            forget_inlined()
         return Executable(built.mod, blas.available(target) and blas.called_in(built.mod))
     return tvm.compile(mod, target)
 
@@ -274,7 +279,7 @@ def _pipeline(
         *before_legalizing,
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
+        FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings
         *before_fusing,
         relax.transform.FuseOps(),
         *after_fusing,

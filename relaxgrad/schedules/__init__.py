@@ -23,6 +23,7 @@ from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
 from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
+from .fold import FoldConstantCalls
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
 from .means import MeanAsSum
@@ -35,6 +36,7 @@ __all__ = [
     "ConvToMatmul",
     "DuplicateCheapProducers",
     "FastMath",
+    "FoldConstantCalls",
     "FullReduction",
     "FuseColumnSums",
     "FuseRowGroups",

@@ -189,7 +189,7 @@ class ColumnLocal(ScheduleRule):
         self.tasks = tasks
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target)
+        sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
         if len(infos) < 2 or infos[-1].is_injective():
             return None
         if not all(info.is_injective() for info in infos[:-1]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -19,7 +21,7 @@ from tvm.target.codegen import llvm_cpu_has_features
 from tvm.tirx.analysis import undefined_vars
 
 from ..errors import GradientError
-from ._common import is_one, sblocks
+from ._common import SPATIAL, is_one, sblocks
 
 
 class TiledMatmul(ScheduleRule):
@@ -47,6 +49,8 @@ class TiledMatmul(ScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if target.kind.name != "llvm":
+            return None
+        if not _may_have(func, 1, reducing=True):
             return None
         sch = s_tir.Schedule(func)
         reductions = get_reduction_blocks(sch, sch.get_child_blocks(sch.get_sblock("root")))
@@ -311,14 +315,54 @@ blocks that each read the one before twice (a max-pool gradient's window of ``ma
 inlining a minute and LLVM more. Such a function is left to be built as it is."""
 
 
-def _cpu_blocks(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule | None, list]:
+def _cpu_blocks(
+    func: tirx.PrimFunc, target: Target, least: int = 1, reducing: bool = False
+) -> tuple[s_tir.Schedule | None, list]:
     """A schedule of ``func`` and its blocks' infos after inlining the spatial ones (dlight's
-    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target) or where inlining
-    would grow past :data:`MAX_INLINED_LOADS`."""
-    if target.kind.name != "llvm" or inlined_loads(func) > MAX_INLINED_LOADS:
+    normalization), or ``(None, [])`` off the CPU (an ``llvm`` target), where inlining
+    would grow past :data:`MAX_INLINED_LOADS`, or where a rule would find fewer than
+    ``least`` blocks or (``reducing``) only injective ones: those are read off ``func``
+    before building a schedule, which costs more than most rules' checks."""
+    if target.kind.name != "llvm" or not _may_have(func, least, reducing):
+        return None, []
+    key = tvm_ffi.structural_hash(func)
+    for other, sch, infos in _INLINED.get(key, []):
+        if other.same_as(func) or tvm_ffi.structural_equal(other, func):
+            _INLINED.move_to_end(key)
+            return sch.copy(), list(infos)  # the block RVs are valid in the copy
+    if inlined_loads(func) > MAX_INLINED_LOADS:
         return None, []
     sch = s_tir.Schedule(func)
-    return sch, try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+    infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch)) or []
+    _INLINED.setdefault(key, []).append((func, sch, infos))
+    if len(_INLINED) > _INLINED_FUNCS:
+        _INLINED.popitem(last=False)
+    return sch.copy(), list(infos)
+
+
+_INLINED: OrderedDict = OrderedDict()
+"""Structural hash -> ``[(func, schedule, infos)]`` of :func:`_cpu_blocks`, least recently
+used first: each rule that tries a function, in ``FuseRowGroups``' trials and in the schedule
+step, starts from a copy of the one normalization and inlining of it (dlight's inlining tries
+every pair of blocks, and a function is tried by up to six rules)."""
+_INLINED_FUNCS = 1024
+
+
+def forget_inlined() -> None:
+    """Empty :func:`_cpu_blocks`' cache (``relaxgrad.compile`` does after each build, so that
+    one compile does not time or keep another's work)."""
+    _INLINED.clear()
+
+
+def _may_have(func: tirx.PrimFunc, least: int, reducing: bool) -> bool:
+    """Whether ``func`` has ``least`` blocks, one of them not spatial if ``reducing``: inlining
+    only removes blocks, and leaves a spatial block's iterators spatial."""
+    blocks = sblocks(func)
+    if len(blocks) < least:
+        return False
+    return not reducing or any(
+        int(iv.iter_type) != SPATIAL for block in blocks for iv in block.iter_vars
+    )
 
 
 def inlined_loads(func: tirx.PrimFunc) -> int:

@@ -64,7 +64,7 @@ class RowColumnLocal(ScheduleRule):
         self.tasks = tasks
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target)
+        sch, infos = _cpu_blocks(func, target, least=2)
         if len(infos) < 2:
             return None
         blocks = [sch.get(info.block_rv) for info in infos]
@@ -294,24 +294,30 @@ class _Grouper:
 
     def _grouped(self, bindings: list) -> list | None:
         groups = []  # (member indices, merged PrimFunc, its args, its results)
-        end = -1
+        end, items = -1, _tuple_items(bindings)
+        position = {b.var: i for i, b in enumerate(bindings)}
         for first, binding in enumerate(bindings):
             if first > end and self._reduces_rows(binding):
-                found = self._grow(bindings, first, min(first + 1 + _WINDOW, len(bindings)))
+                stop = min(first + 1 + _WINDOW, len(bindings))
+                found = self._grow(bindings, items, position, first, stop)
                 if found is not None:
                     groups.append(found)
                     end = found[0][-1]  # groups do not overlap
         return self._emitted(bindings, groups) if groups else None
 
-    def _grow(self, bindings, first: int, stop: int):
+    def _grow(self, bindings, items: dict, position: dict, first: int, stop: int):
         """The largest group of ``bindings[first:stop]`` from ``first`` on whose merged
         function a rule schedules, as ``(members, PrimFunc, args, results)``; None if it
-        would have one kernel."""
-        members, best = [first, *_parts(bindings, first)], None
+        would have one kernel. ``items``: :func:`_tuple_items`; ``position``: each var's
+        binding index."""
+        members, best = [first, *_parts(items, bindings, first)], None
         outputs = {bindings[i].var for i in members}
         inputs = set(_args(bindings[first].value))
-        later = {b.var for b in bindings[first:]}  # computed after the group starts
         tainted: set = set()  # vars computed from the group's results outside it
+
+        def since(args: set) -> set:  # those computed after the group starts
+            return {a for a in args if position.get(a, -1) >= first}
+
         for index in range(first + 1, stop):
             if index in members:
                 continue
@@ -323,10 +329,10 @@ class _Grouper:
                 call
                 and len(members) < _MAX_MEMBERS
                 and not args & tainted
-                and (reads_group or self._shares_rows(binding, args, inputs, later - outputs))
+                and (reads_group or self._shares_rows(binding, args, inputs, since(args) - outputs))
                 and _plain(self.mod[binding.value.args[0]])
             )
-            candidate = sorted([*members, index, *_parts(bindings, index)])
+            candidate = sorted([*members, index, *_parts(items, bindings, index)])
             merged = None
             if joinable and candidate[-1] < stop:
                 merged = self._merged(bindings, candidate)
@@ -446,15 +452,20 @@ class _Grouper:
         return [relax.VarBinding(both, call), *items]
 
 
-def _parts(bindings, index: int) -> list[int]:
-    """The bindings after ``index`` of the items of its tuple, if it binds one."""
-    var = bindings[index].var
-    return [
-        i
-        for i in range(index + 1, len(bindings))
-        if isinstance(bindings[i].value, relax.TupleGetItem)
-        and bindings[i].value.tuple_value.same_as(var)
-    ]
+def _tuple_items(bindings) -> dict:
+    """The indices of the bindings of the items of each tuple var that ``bindings`` item, in
+    order: one pass, where a scan per tuple would be quadratic in the bindings."""
+    items: dict = {}
+    for i, binding in enumerate(bindings):
+        if isinstance(binding.value, relax.TupleGetItem):
+            items.setdefault(binding.value.tuple_value, []).append(i)
+    return items
+
+
+def _parts(items: dict, bindings, index: int) -> list[int]:
+    """The bindings after ``index`` of the items of its tuple, if it binds one (``items``:
+    :func:`_tuple_items` of ``bindings``)."""
+    return [i for i in items.get(bindings[index].var, ()) if i > index]
 
 
 def _plain(func) -> bool:

@@ -86,7 +86,7 @@ class RowLocal(ScheduleRule):
         self.min_rows = min_rows
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target)
+        sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
         if len(infos) < 2 or all(info.is_injective() for info in infos):
             return None
         blocks = [sch.get(info.block_rv) for info in infos]
