@@ -4,14 +4,15 @@ Both relaxgrad's own walkers (over nested tuple types, say) and TVM's C++ visito
 per level of a nested expression or type. On the main thread's default stack (8 MiB, and
 Python's recursion limit of 1,000) a deep enough input ends in a ``RecursionError`` or, inside
 TVM's C++, in a segfault that kills the process with no error. :func:`with_deep_stack` runs a
-call on a thread whose stack is :data:`STACK_BYTES` (virtual memory: only the pages touched are
-used) with Python's recursion limit raised to :data:`RECURSION_LIMIT`, and hands back its result
-or exception. The caller's ``tvm.transform.PassContext`` is entered again on that thread (TVM
+call on one long-lived thread whose stack is :data:`STACK_BYTES` (virtual memory: only the pages
+touched are used) with Python's recursion limit raised to :data:`RECURSION_LIMIT`, and hands back
+its result or exception; calls from several threads take turns. The caller's ``tvm.transform.PassContext`` is entered again on that thread (TVM
 keeps it per thread).
 """
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 from collections.abc import Callable
@@ -33,37 +34,57 @@ _lock = threading.Lock()
 _active = 0
 _saved_limit = 0
 _local = threading.local()
+_queue: queue.SimpleQueue | None = None
 
 
 def with_deep_stack(fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` on a thread with a deep stack (directly when already on one)."""
+    """``fn(*args, **kwargs)`` on the deep-stack thread (directly when already on it)."""
     if getattr(_local, "deep", False):
         return fn(*args, **kwargs)
     context = tvm.transform.PassContext.current()
-    outcome: dict = {}
+    done, outcome = threading.Event(), {}
 
     def run():
-        _local.deep = True
         try:
             with context:
                 outcome["value"] = fn(*args, **kwargs)
         except BaseException as err:  # handed to the caller's thread
             outcome["error"] = err
+        finally:
+            done.set()
 
     _raise_limit()
     try:
-        previous = threading.stack_size(STACK_BYTES)
-        try:
-            worker = threading.Thread(target=run, name="relaxgrad-deep-stack")
-            worker.start()
-        finally:
-            threading.stack_size(previous)
-        worker.join()
+        _worker().put(run)
+        done.wait()
     finally:
         _restore_limit()
     if "error" in outcome:
         raise outcome["error"].with_traceback(outcome["error"].__traceback__)
     return outcome["value"]
+
+
+def _worker() -> queue.SimpleQueue:
+    """The queue of the one deep-stack thread, started on first use. It lives as long as the
+    process (a daemon): TVM keeps per-thread state (its thread pool, workspaces) that a thread
+    ending after each call would tear down under code still using it at exit."""
+    global _queue
+    with _lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            previous = threading.stack_size(STACK_BYTES)
+            try:
+                threading.Thread(target=_serve, args=(_queue,), name="relaxgrad-deep-stack",
+                                 daemon=True).start()
+            finally:
+                threading.stack_size(previous)
+        return _queue
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    _local.deep = True
+    while True:
+        jobs.get()()
 
 
 def _raise_limit() -> None:
