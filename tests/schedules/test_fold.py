@@ -13,26 +13,15 @@ from tvm.relax import op
 import relaxgrad
 from relaxgrad.schedules import FoldConstantCalls
 
+from ..chains import chain, closed_form
+
 C = 1.001
 
 
 def _chain(n: int) -> tvm.IRModule:
-    """``v * C`` and ``v + x`` in turn, ``n`` bindings, summed: the adjoint's whole backward
-    chain is constant (``ones`` times ``C``, again and again)."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((3,), "float64"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            v = x
-            for i in range(n):
-                v = bb.emit(op.add(v, x) if i % 2 else op.multiply(v, relax.const(C, "float64")))
-            out = bb.emit_output(op.sum(v))
-        bb.emit_func_output(out)
-    return relaxgrad.Gradient("main")(bb.get())
-
-
-def _closed_form(n: int) -> float:  # d/dx sum(v_n) with v_{2k+2} = C v_{2k} + x
-    return C ** (n // 2) + sum(C**k for k in range(n // 2))
+    """The adjoint of :func:`tests.chains.chain`: its whole backward chain is constant
+    (``ones`` times ``C``, again and again)."""
+    return relaxgrad.Gradient("main")(chain(n, C, width=3))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +59,7 @@ def test_compile_builds_no_function_per_folded_call(chain_300):
     assert len(builds) <= 1
     vm = relax.VirtualMachine(ex, tvm.cpu())
     _, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones(3)))
-    np.testing.assert_allclose(grad.numpy(), np.full(3, _closed_form(300)), rtol=1e-12)
+    np.testing.assert_allclose(grad.numpy(), np.full(3, closed_form(300, C)), rtol=1e-12)
 
 
 def test_folded_values_match_numpy():

@@ -3,12 +3,14 @@ relaxgrad.compile run on a thread with a deep stack (relaxgrad._stack). Each cas
 child process at Python's default stack and recursion limit, so a segfault fails the test
 instead of ending the suite."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRELUDE = """
 import numpy as np
 import tvm
@@ -18,32 +20,12 @@ from relaxgrad.analysis import count_bindings
 """
 
 
-def _run(body: str, timeout: int = 300, helpers: str = "") -> str:
-    script = PRELUDE + helpers + textwrap.dedent(body)
+def _run(body: str, timeout: int = 300) -> str:
+    script = PRELUDE + textwrap.dedent(body)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=ROOT)  # the repository root: tests.chains
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
     return done.stdout
-
-
-CHAIN = """
-def chain(n, c=1.0001):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((4,), "float64"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            v = x
-            for i in range(n):
-                v = bb.emit(relax.op.add(v, x) if i % 2 else
-                            relax.op.multiply(v, relax.const(c, "float64")))
-            out = bb.emit_output(relax.op.sum(v))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
-def expected(n, c=1.0001):  # v_{2k+2} = c v_{2k} + x: dv_n/dx = c^(n/2) + sum_{k<n/2} c^k
-    return c ** (n // 2) + sum(c ** k for k in range(n // 2))
-"""
 
 
 def test_ten_thousand_bindings():
@@ -51,15 +33,17 @@ def test_ten_thousand_bindings():
     the default stack with a bounded size, and compiles with relaxgrad.compile to the closed
     form ``d/dx sum(v_n)`` (float64)."""
     out = _run("""
-        mod = relaxgrad.Gradient("main")(chain(10_000))
+        from tests.chains import chain, closed_form
+        mod = relaxgrad.Gradient("main")(chain(10_000, 1.0001))
         ratio = count_bindings(mod["main_adjoint"]) / count_bindings(mod["main"])
         assert ratio <= 3, ratio
         ex = relaxgrad.compile(mod, "llvm")
         vm = relax.VirtualMachine(ex, tvm.cpu())
         _, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(np.ones(4)))
-        np.testing.assert_allclose(grad.numpy(), np.full(4, expected(10_000)), rtol=1e-9)
+        expected = np.full(4, closed_form(10_000, 1.0001))
+        np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-9)
         print("ok")
-    """, timeout=600, helpers=CHAIN)
+    """, timeout=600)
     assert "ok" in out
 
 
