@@ -45,6 +45,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LR = 0.01
 CHECK_STEPS = 10
 
+# the steps both runner scripts take: ``check`` steps for the losses, then ``runs`` runs of
+# ``steps`` timed steps (each run's median), with ``step(x, y)`` and ``batches`` defined
+TIMED = """
+losses = [step(*batches[i]) for i in range(check)]
+times = []
+for _ in range(runs):
+    run = []
+    for i in range(steps):
+        x, y = batches[i % check]
+        start = time.perf_counter()
+        step(x, y)
+        run.append(time.perf_counter() - start)
+    times.append(sorted(run)[len(run) // 2])
+"""
+
 TVM_STEPS = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -55,16 +70,8 @@ check, steps, runs = (int(a) for a in sys.argv[3:6])
 r = runner.Runner(sys.argv[1])
 b = r.manifest["batch_size"]
 batches = [(data["x"][i * b:(i + 1) * b], data["target"][i * b:(i + 1) * b]) for i in range(check)]
-losses = [r.step(*batches[i]) for i in range(check)]
-times = []
-for _ in range(runs):
-    run = []
-    for i in range(steps):
-        x, y = batches[i % check]
-        start = time.perf_counter()
-        r.step(x, y)
-        run.append(time.perf_counter() - start)
-    times.append(sorted(run)[len(run) // 2])
+step = r.step
+""" + TIMED + """
 maps = open("/proc/self/maps").read()
 print(json.dumps({"losses": losses, "times": times, "compiler": "libtvm_compiler" in maps}))
 """
@@ -93,16 +100,7 @@ def step(x, y):
     optimizer.step()
     module.lazy_reset_grad()
     return float(loss)
-losses = [step(*batches[i]) for i in range(check)]
-times = []
-for _ in range(runs):
-    run = []
-    for i in range(steps):
-        x, y = batches[i % check]
-        start = time.perf_counter()
-        step(x, y)
-        run.append(time.perf_counter() - start)
-    times.append(sorted(run)[len(run) // 2])
+""" + TIMED + """
 print(json.dumps({"losses": losses, "times": times}))
 """
 
