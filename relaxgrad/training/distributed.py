@@ -23,6 +23,7 @@ wait (under ``torchrun``, the launcher then ends the others).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Callable, Sequence
@@ -80,6 +81,7 @@ class DataParallel:
             if backend == "nccl":
                 _torch().cuda.set_device(trainer.device.index)
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout))
+            atexit.register(_destroy_group)
         params = trainer._params
         self.device = _torch().from_dlpack(params[0]).device if params else "cpu"
         self.rank = dist.get_rank(self.group)
@@ -254,6 +256,18 @@ def _unbucket(buckets: list, count: int) -> list:
             numel = int(np.prod(shape, dtype=np.int64))
             out[i] = tvm.runtime.from_dlpack(flat[offset: offset + numel].view(shape))
     return out
+
+
+def _destroy_group() -> None:
+    """Destroy the default group made by :meth:`DataParallel.attach` while the interpreter is
+    whole: a gloo group left to the interpreter's teardown can abort the process ("terminate
+    called without an active exception") after a clean run or a failed collective."""
+    dist = _dist()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; a peer may be gone
+            pass
 
 
 def _torch():
