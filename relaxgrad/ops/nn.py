@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.op import (
+    argmax,
     astype,
     equal,
     exp,
     expand_dims,
     flip,
     greater,
-    logical_and,
-    logical_not,
-    logical_or,
     matmul,
-    maximum,
     mean,
     one_hot,
     permute_dims,
     reshape,
     rsqrt,
     squeeze,
+    stack,
     strided_slice,
     sum,
     tril,
@@ -305,20 +302,14 @@ def _unwindows(parts, attrs, ins, out_dims, op_name: str):
 
 def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
     """The VJP of max_pool2d for overlapping windows (TVM 0.27's max_pool2d_backward returns
-    garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking), found by
-    walking the window offsets in order, and scatter-added back to the positions of ``x``."""
+    garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking: ``argmax``
+    over the window offsets stacked in order), scatter-added back to the positions of ``x``.
+    The argmax is one reduction that later kernels read, not a chain of comparisons each
+    inlined into the next (a 3x3 window made that a 2**9-fold expression)."""
     dtype = _ty.dtype_of(x)
     values = _windows(x, attrs, ins, out_dims, float(np.finfo(dtype).min), op_name)
-    window_max = functools.reduce(maximum, values)
-    parts, found = [], None
-    for value in values:
-        hit = equal(value, window_max)
-        if found is None:
-            found = hit
-        else:
-            hit = logical_and(hit, logical_not(found))
-            found = logical_or(found, hit)
-        parts.append(grad * astype(hit, dtype))
+    first = argmax(stack(values, axis=0), axis=0)
+    parts = [grad * astype(equal(first, const(k, "int64")), dtype) for k in range(len(values))]
     return _unwindows(parts, attrs, ins, out_dims, op_name)
 
 
