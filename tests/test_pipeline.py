@@ -543,11 +543,46 @@ def test_sum_over_rows_with_a_per_row_scale_vectorizes_the_columns():
     np.testing.assert_allclose(got, (xs[0] * xs[1] * xs[2]).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
+def _fused_kernel(mod, word: str):
+    """The PrimFunc of ``mod``'s CPU pipeline, up to FuseTIR, whose name has ``word``."""
+    passes = list(cpu_pipeline(host_target()).passes)
+    names = [p.info.name for p in passes]
+    with host_target():
+        fused = tvm.transform.Sequential(passes[: names.index("FuseTIR") + 1])(mod)
+    (kernel,) = [f for g, f in fused.functions_items() if word in g.name_hint]
+    return kernel
+
+
 def test_kernel_that_would_inline_exponentially_is_built_as_it_is():
-    """The gradient of an overlapping 3x3 max-pool is a chain of ``maximum``s and first-match
-    masks that each read the one before twice: fused into one kernel, inlining its blocks
-    would grow one expression exponentially (dlight's inlining took a minute on a 4x4 input,
-    four times over, once per rule). The CPU rules leave it unscheduled; the gradient is
+    """A chain of elementwise ops each reading the one before twice (``a = a * a + a``), fused
+    into one kernel: inlining its blocks would grow one expression exponentially (dlight's
+    inlining took minutes). The CPU rules leave it unscheduled, and it computes numpy's
+    values."""
+    x = relax.Var("x", relax.TensorType((4, 4), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = x
+            for _ in range(12):
+                a = bb.emit(op.add(op.multiply(a, a), a))
+            out = bb.emit_output(op.tanh(a))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    chain = _fused_kernel(mod, "multiply")
+    assert inlined_loads(chain) > MAX_INLINED_LOADS
+    assert all(rule.apply(chain, host_target(), False) is None for rule in default_cpu_rules())
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    value = np.random.default_rng(0).uniform(-0.05, 0.05, (4, 4))
+    expected = value
+    for _ in range(12):
+        expected = expected * expected + expected
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(value)).numpy(), np.tanh(expected),
+                               rtol=1e-12)
+
+
+def test_overlapping_max_pool_gradient_is_one_scheduled_kernel():
+    """The gradient of an overlapping 3x3 max-pool (first argmax of each window, scattered
+    back) fuses into a kernel of linear size that the CPU rules schedule; the gradient is
     PyTorch's."""
     x = relax.Var("x", relax.TensorType((1, 1, 4, 4), "float64"))
     w = relax.Var("w", relax.TensorType((1, 1, 4, 4), "float64"))
@@ -558,13 +593,10 @@ def test_kernel_that_would_inline_exponentially_is_built_as_it_is():
             out = bb.emit_output(op.sum(op.multiply(pooled, w)))
         bb.emit_func_output(out)
     mod = relaxgrad.Gradient("main")(bb.get())
-    passes = list(cpu_pipeline(host_target()).passes)
-    names = [p.info.name for p in passes]
-    with host_target():
-        fused = tvm.transform.Sequential(passes[: names.index("FuseTIR") + 1])(mod)
-    (chain,) = [f for g, f in fused.functions_items() if "maximum" in g.name_hint]
-    assert inlined_loads(chain) > MAX_INLINED_LOADS
-    assert all(rule.apply(chain, host_target(), False) is None for rule in default_cpu_rules())
+    scatter = _fused_kernel(mod, "equal")
+    assert inlined_loads(scatter) <= MAX_INLINED_LOADS
+    assert any(rule.apply(scatter, host_target(), False) is not None
+               for rule in default_cpu_rules())
     vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((1, 1, 4, 4)) for _ in range(2)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import tvm
@@ -207,8 +208,7 @@ class ParallelLoops(ScheduleRule):
             sch.reorder(io, jo, ii, ji)
             outer, inner = sch.fuse(*loops[:-2], io, jo), ji
         else:
-            fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-            outer, inner = sch.split(fused, [None, _tile(get_extent(sch, fused), lanes)])
+            outer, inner = _vector_split(sch, info, loops, lanes)
         sch.vectorize(inner)
         if extent >= self.parallel_elements:
             sch.parallel(outer)
@@ -268,6 +268,39 @@ class ParallelLoops(ScheduleRule):
 
 class _NotApplicable(Exception):
     """A schedule rule's variant does not apply to a block."""
+
+
+def _vector_split(sch: s_tir.Schedule, info, loops: list, lanes: int) -> tuple:
+    """The loops of an injective block fused and split into ``(outer, inner)``, ``inner``
+    about ``lanes`` long. Where the block reads a buffer broadcast along its trailing loops (a
+    per-channel scale in NCHW), only those trailing loops are split, by a tile dividing their
+    extent, so that each vector lies in one channel and reads the scale once: a vector across
+    channels gathers it lane by lane (slow to run, and to compile)."""
+    trailing = _uniform_suffix(sch.get(info.block_rv), [it.var for it in info.iters])
+    if 0 < trailing < len(loops):
+        group = loops[-trailing:]
+        extents = [get_extent(sch, loop) for loop in group]
+        if all(isinstance(e, int) for e in extents):
+            extent, step = math.prod(extents), max(lanes // 4, 1)
+            tile = next((d for d in range(lanes, step - 1, -step) if extent % d == 0),
+                        extent if extent <= lanes else None)
+            if tile is not None:
+                fused = sch.fuse(*group) if len(group) > 1 else group[0]
+                middle, inner = sch.split(fused, [None, tile])
+                return sch.fuse(*loops[:-trailing], middle), inner
+    fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    return tuple(sch.split(fused, [None, _tile(get_extent(sch, fused), lanes)]))
+
+
+def _uniform_suffix(block: tirx.SBlock, variables: list) -> int:
+    """The number of trailing ``variables`` such that every buffer ``block`` reads is indexed by
+    all of them or by none of them (read in full along them, or broadcast)."""
+    reads = [{v for x in r.region for v in undefined_vars(x.min)} for r in block.reads]
+    for count in range(len(variables), 0, -1):
+        suffix = set(variables[-count:])
+        if all(not (uses & suffix) or suffix <= uses for uses in reads):
+            return count
+    return 0
 
 
 def _reads_along(block: tirx.SBlock, var: tirx.Var) -> bool:
