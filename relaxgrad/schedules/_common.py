@@ -12,7 +12,7 @@ from tvm.target import Target
 from .. import _ty
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
-COMM_REDUCE, INJECTIVE = 3, 2  # relax's OpPatternKind
+COMM_REDUCE, INJECTIVE, OPAQUE = 3, 2, 8  # relax's OpPatternKind
 SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
 
 

@@ -33,9 +33,11 @@ MLP trained on one batch for 30 steps: its adjoint took 5x its forward instead o
 from __future__ import annotations
 
 import ctypes
+import inspect
 import math
 import os
 import platform
+import textwrap
 
 import tvm
 from tvm import relax, tirx
@@ -45,7 +47,7 @@ from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
 from .. import _ty
-from ._common import bound_values, read_counts, rebind, rewrite_functions, static_shape
+from ._common import OPAQUE, bound_values, read_counts, rebind, rewrite_functions, static_shape
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -110,18 +112,15 @@ _FTZ_DAZ = 0x8040  # MXCSR: flush to zero (bit 15), denormals are zero (bit 6)
 _SET_THREADS = "scipy_openblas_set_num_threads"
 
 
-@T.macro
-def _denormals_off(csr):
-    """Keep this thread's MXCSR in ``csr[1]`` and set its FTZ and DAZ bits."""
-    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.stmxcsr", T.address_of(csr[1])))
-    csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)
-    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[0])))
+def _mxcsr(intrinsic: str, csr: tirx.Buffer, index: int) -> tirx.PrimExpr:
+    """x86's ``stmxcsr`` (keep this thread's MXCSR in ``csr[index]``) or ``ldmxcsr`` (load it
+    from there). The gemm functions keep it in ``csr[1]``, set the FTZ and DAZ bits in
+    ``csr[0]`` and load that, then load ``csr[1]`` back.
 
-
-@T.macro
-def _denormals_restored(csr):
-    """Restore the MXCSR kept by :func:`_denormals_off`."""
-    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse.ldmxcsr", T.address_of(csr[1])))
+    A plain function called from TVMScript, not a ``T.macro``: expanding a macro walks the
+    Python stack with its source lines (``inspect.getouterframes``), which made each gemm
+    function take tens of milliseconds to parse inside a compile."""
+    return tirx.call_llvm_intrin("void", f"llvm.x86.sse.{intrinsic}", tirx.address_of(csr[index]))
 
 
 def available(target=None) -> bool:
@@ -144,6 +143,72 @@ def native_arch(target) -> bool:
     arch = triple.split("-")[0].lower()
     aliases = {"amd64": "x86_64", "arm64": "aarch64"}
     return aliases.get(arch, arch) == aliases.get(machine, machine)
+
+
+def _gemm_func_script(
+    *, a_row, a_shape, a_size, a_stride, b_col, b_shape, b_size, b_stride, by_cols, chunks,
+    col_step, flag_a, flag_b, flush, k, lda, ldb, m, n, out_shape, out_size, parallel, row_step,
+    set_threads, step, symbol, tasks,
+):  # fmt: skip
+    """The TVMScript of :func:`gemm_func`, read by :func:`_parsed` (never called)."""
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        a = T.match_buffer(a_handle, a_shape, "float32")
+        b = T.match_buffer(b_handle, b_shape, "float32")
+        out = T.match_buffer(out_handle, out_shape, "float32")
+        a_flat = T.decl_buffer((a_size,), "float32", data=a.data)
+        b_flat = T.decl_buffer((b_size,), "float32", data=b.data)
+        out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
+        T.evaluate(T.call_extern("void", set_threads, 1))
+        for task in T.parallel(tasks) if parallel else T.serial(tasks):
+            csr = T.decl_buffer((2,), "int32", scope="local")
+            if flush:
+                T.evaluate(_mxcsr("stmxcsr", csr, 1))
+                csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)
+                T.evaluate(_mxcsr("ldmxcsr", csr, 0))
+            i = task // chunks
+            row = task % chunks * row_step
+            col = task % chunks * col_step
+            T.evaluate(
+                T.call_extern(
+                    "void", symbol, _ROW_MAJOR, flag_a, flag_b,
+                    T.Cast("int32", T.min(step, m - row) if not by_cols else m),
+                    T.Cast("int32", T.min(step, n - col) if by_cols else n),
+                    T.int32(k),
+                    T.float32(1),
+                    T.address_of(a_flat[i * a_stride + row * a_row]),
+                    T.int32(lda),
+                    T.address_of(b_flat[i * b_stride + col * b_col]), T.int32(ldb),
+                    T.float32(0),
+                    T.address_of(out_flat[i * m * n + row * n + col]), T.int32(n),
+                )  # fmt: skip
+            )
+            if flush:
+                T.evaluate(_mxcsr("ldmxcsr", csr, 1))
+
+
+
+def _parsed(template, values: dict) -> tirx.PrimFunc:
+    """The PrimFunc of ``template``'s TVMScript for ``values`` (its parameters' values).
+
+    The script is parsed from its text with the values as variables, rather than by running
+    ``@T.prim_func`` on a nested function per call: that decorator, and TVMScript macros, walk
+    the Python stack reading each frame's source (``inspect.stack()``), which inside a compile
+    (deep stacks, torch loaded) took tens of milliseconds per gemm function."""
+    if template not in _SCRIPTS:
+        source = inspect.getsource(template)
+        body = textwrap.dedent(source[source.index("    @T.prim_func"):])
+        _SCRIPTS[template] = "@T.prim_func" + body[body.index("\n"):]
+    names = inspect.signature(template).parameters
+    extra = {"T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "_ROW_MAJOR": _ROW_MAJOR,
+             "OPAQUE": OPAQUE, **{name: values[name] for name in names}}  # fmt: skip
+    func = parse(_SCRIPTS[template], extra_vars=extra, check_well_formed=False)
+    return func.without_attr("global_symbol")
+
+
+_SCRIPTS: dict = {}
 
 
 def gemm_func(
@@ -181,41 +246,58 @@ def gemm_func(
     set_threads = _SET_THREADS
     row_step, col_step = (0, step) if by_cols else (step, 0)
 
+    return _parsed(_gemm_func_script, locals())
+
+
+def _split_k_func_script(
+    *, a_shape, a_size, a_step, b_shape, b_size, b_step, flag_a, flag_b, flush, k_total, lda,
+    ldb, m, n, out_shape, out_size, per_task, piece, pieces, set_threads, swap, symbol, tasks,
+):  # fmt: skip
+    """The TVMScript of :func:`_split_k_func`, read by :func:`_parsed` (never called)."""
+
     @T.prim_func(private=True, check_well_formed=False)
     def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        a = T.match_buffer(a_handle, a_shape, "float32")
-        b = T.match_buffer(b_handle, b_shape, "float32")
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        first = T.match_buffer(a_handle if not swap else b_handle, a_shape, "float32")
+        second = T.match_buffer(b_handle if not swap else a_handle, b_shape, "float32")
         out = T.match_buffer(out_handle, out_shape, "float32")
-        a_flat = T.decl_buffer((a_size,), "float32", data=a.data)
-        b_flat = T.decl_buffer((b_size,), "float32", data=b.data)
+        a_flat = T.decl_buffer((a_size,), "float32", data=first.data)
+        b_flat = T.decl_buffer((b_size,), "float32", data=second.data)
         out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
+        partial = T.decl_buffer((tasks * out_size,), "float32")
         T.evaluate(T.call_extern("void", set_threads, 1))
-        for task in T.parallel(tasks) if parallel else T.serial(tasks):
+        for task in T.parallel(tasks) if tasks > 1 else T.serial(tasks):
             csr = T.decl_buffer((2,), "int32", scope="local")
             if flush:
-                _denormals_off(csr)
-            i = task // chunks
-            row = task % chunks * row_step
-            col = task % chunks * col_step
-            T.evaluate(
-                T.call_extern(
-                    "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                    T.Cast("int32", T.min(step, m - row) if not by_cols else m),
-                    T.Cast("int32", T.min(step, n - col) if by_cols else n),
-                    T.int32(k),
-                    T.float32(1),
-                    T.address_of(a_flat[i * a_stride + row * a_row]),
-                    T.int32(lda),
-                    T.address_of(b_flat[i * b_stride + col * b_col]), T.int32(ldb),
-                    T.float32(0),
-                    T.address_of(out_flat[i * m * n + row * n + col]), T.int32(n),
-                )  # fmt: skip
-            )
+                T.evaluate(_mxcsr("stmxcsr", csr, 1))
+                csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)
+                T.evaluate(_mxcsr("ldmxcsr", csr, 0))
+            for step in range(per_task):
+                index = task * per_task + step
+                if index < pieces:
+                    T.evaluate(
+                        T.call_extern(
+                            "void", symbol, _ROW_MAJOR, flag_a, flag_b,
+                            T.int32(m), T.int32(n),
+                            T.Cast("int32", T.min(piece, k_total - index * piece)),
+                            T.float32(1),
+                            T.address_of(a_flat[index * a_step]), T.int32(lda),
+                            T.address_of(b_flat[index * b_step]), T.int32(ldb),
+                            T.Select(step == 0, T.float32(0), T.float32(1)),
+                            T.address_of(partial[task * out_size]), T.int32(n),
+                        )  # fmt: skip
+                    )
             if flush:
-                _denormals_restored(csr)
+                T.evaluate(_mxcsr("ldmxcsr", csr, 1))
+        for i, j in T.grid(m, n):
+            total = T.float32(0)
+            for task in range(tasks):
+                total = total + partial[task * out_size + i * n + j]
+            if swap:
+                out_flat[j * m + i] = total
+            else:
+                out_flat[i * n + j] = total
 
-    return gemm
 
 
 def _split_k_func(
@@ -253,64 +335,20 @@ def _split_k_func(
     a_size, b_size = math.prod(a_shape), math.prod(b_shape)
     symbol, out_size, flush, set_threads = SGEMM, m * n, FLUSH_DENORMALS, _SET_THREADS
 
-    @T.prim_func(private=True, check_well_formed=False)
-    def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
-        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
-        first = T.match_buffer(a_handle if not swap else b_handle, a_shape, "float32")
-        second = T.match_buffer(b_handle if not swap else a_handle, b_shape, "float32")
-        out = T.match_buffer(out_handle, out_shape, "float32")
-        a_flat = T.decl_buffer((a_size,), "float32", data=first.data)
-        b_flat = T.decl_buffer((b_size,), "float32", data=second.data)
-        out_flat = T.decl_buffer((out_size,), "float32", data=out.data)
-        partial = T.decl_buffer((tasks * out_size,), "float32")
-        T.evaluate(T.call_extern("void", set_threads, 1))
-        for task in T.parallel(tasks) if tasks > 1 else T.serial(tasks):
-            csr = T.decl_buffer((2,), "int32", scope="local")
-            if flush:
-                _denormals_off(csr)
-            for step in range(per_task):
-                index = task * per_task + step
-                if index < pieces:
-                    T.evaluate(
-                        T.call_extern(
-                            "void", symbol, _ROW_MAJOR, flag_a, flag_b,
-                            T.int32(m), T.int32(n),
-                            T.Cast("int32", T.min(piece, k_total - index * piece)),
-                            T.float32(1),
-                            T.address_of(a_flat[index * a_step]), T.int32(lda),
-                            T.address_of(b_flat[index * b_step]), T.int32(ldb),
-                            T.Select(step == 0, T.float32(0), T.float32(1)),
-                            T.address_of(partial[task * out_size]), T.int32(n),
-                        )  # fmt: skip
-                    )
-            if flush:
-                _denormals_restored(csr)
-        for i, j in T.grid(m, n):
-            total = T.float32(0)
-            for task in range(tasks):
-                total = total + partial[task * out_size + i * n + j]
-            if swap:
-                out_flat[j * m + i] = total
-            else:
-                out_flat[i * n + j] = total
-
-    return gemm
+    return _parsed(_split_k_func_script, locals())
 
 
-@T.macro
 def _head_gemm(a, b, out, index, symbol, shape, flags, leading, heads, out_batch, column):
     """One head's product of :func:`heads_gemm_func`: matrix ``index`` of ``a`` and ``b``,
-    written at ``column + head * n`` of its batch's rows of ``out``."""
+    written at ``column + head * n`` of its batch's rows of ``out`` (a call of ``symbol``)."""
     m, n, k = shape
-    T.evaluate(
-        T.call_extern(
-            "void", symbol, _ROW_MAJOR, flags[0], flags[1],
-            T.int32(m), T.int32(n), T.int32(k), T.float32(1),
-            T.address_of(a[index * m * k]), T.int32(leading[0]),
-            T.address_of(b[index * k * n]), T.int32(leading[1]), T.float32(0),
-            T.address_of(out[index // heads * out_batch + column + index % heads * n]),
-            T.int32(leading[2]),
-        )  # fmt: skip
+    i32, f32 = (lambda v: tirx.IntImm("int32", v)), (lambda v: tirx.FloatImm("float32", v))
+    return tirx.call_extern(
+        "void", symbol, i32(_ROW_MAJOR), i32(flags[0]), i32(flags[1]), i32(m), i32(n), i32(k),
+        f32(1), tirx.address_of(a[index * m * k]), i32(leading[0]),
+        tirx.address_of(b[index * k * n]), i32(leading[1]), f32(0),
+        tirx.address_of(out[index // heads * out_batch + column + index % heads * n]),
+        i32(leading[2]),
     )
 
 
@@ -323,8 +361,8 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
     last two axes where flagged."""
     batch, rows, width = out_shape
     params, matched, flat, column, start = [], [], [], 0, 0
-    extra = {"T": T, "_head_gemm": _head_gemm, "_denormals_off": _denormals_off,
-             "_denormals_restored": _denormals_restored}  # fmt: skip
+    extra = {"T": T, "_head_gemm": _head_gemm, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ,
+             "OPAQUE": OPAQUE}  # fmt: skip
     for i, (a_shape, b_shape, trans_a, trans_b) in enumerate(parts):
         heads, k = a_shape[1], (a_shape[2] if trans_a else a_shape[3])
         n = b_shape[2] if trans_b else b_shape[3]
@@ -341,9 +379,9 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
         extra[f"range{i}"] = (start, start + batch * heads)
         column, start = column + heads * n, start + batch * heads
     lines = [
-        "@T.prim_func(private=True, check_well_formed=False)",
+        "@T.prim_func",  # not T.prim_func(...): see _parsed
         f"def heads({', '.join(params)}, out_handle: T.handle):",
-        '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})',
+        '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})',
         *matched,
         f"    out = T.match_buffer(out_handle, {tuple(out_shape)}, 'float32')",
         *flat,
@@ -351,17 +389,22 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
         f"    T.evaluate(T.call_extern('void', '{_SET_THREADS}', 1))",
         f"    for task in T.parallel({start}):",
         "        csr = T.decl_buffer((2,), 'int32', scope='local')",
-        *(["        _denormals_off(csr)"] if FLUSH_DENORMALS else []),
+        *([
+            "        T.evaluate(_mxcsr('stmxcsr', csr, 1))",
+            "        csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)",
+            "        T.evaluate(_mxcsr('ldmxcsr', csr, 0))",
+        ] if FLUSH_DENORMALS else []),
     ]
     for i in range(len(parts)):
         lines += [
             f"        if range{i}[0] <= task and task < range{i}[1]:",
-            f"            _head_gemm(a{i}_flat, b{i}_flat, out_flat, task - range{i}[0], SGEMM,"
-            f" *part{i})",
+            f"            T.evaluate(_head_gemm(a{i}_flat, b{i}_flat, out_flat, task - range{i}[0],"
+            f" SGEMM, *part{i}))",
         ]
-    lines += ["        _denormals_restored(csr)"] if FLUSH_DENORMALS else []
+    lines += ["        T.evaluate(_mxcsr('ldmxcsr', csr, 1))"] if FLUSH_DENORMALS else []
     extra["SGEMM"] = SGEMM
-    return parse("\n".join(lines) + "\n", extra_vars=extra)
+    func = parse("\n".join(lines) + "\n", extra_vars=extra, check_well_formed=False)
+    return func.without_attr("global_symbol")
 
 
 @tvm.transform.module_pass(opt_level=0, name="MatmulToBLAS")

@@ -30,10 +30,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from . import blas
-from ._common import bound_values, read_counts, rewrite_functions, static_shape
+from ._common import OPAQUE, bound_values, read_counts, rewrite_functions, static_shape
 from .blas import _is
-
-_OPAQUE = 8  # relax's OpPatternKind.kOpaque: FuseOps leaves the gather/scatter unfused
 
 
 @tvm.transform.module_pass(opt_level=0, name="ConvToMatmul")
@@ -186,7 +184,7 @@ class _Rewriter(PyExprMutator):
         out = compute(*placeholders)
         func = te.create_prim_func([*placeholders, out]).without_attr("global_symbol")
         func = _schedule(func, vectorize)
-        func = func.with_attr("op_pattern", _OPAQUE)
+        func = func.with_attr("op_pattern", OPAQUE)  # FuseOps leaves the gather/scatter unfused
         gvar = self.builder_.add_func(func, name)
         out_type = relax.TensorType([int(d) for d in out.shape], out.dtype)
         return self.builder_.emit(relax.call_tir(gvar, list(args), out_type))
