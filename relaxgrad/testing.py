@@ -7,7 +7,11 @@ compiled forward function along random directions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +27,12 @@ __all__ = [
     "check_gradients",
     "loss_module",
     "random_inputs",
+    "tvm_compile_quietly",
 ]
+
+TVM_CODEGEN_NOISE = ("Unknown pragma pragma_scope",)
+"""Warnings TVM 0.27's LLVM codegen prints for what its own default CPU pipeline emits (one per
+loop nest under a ``pragma_scope`` attribute): noise to a reader of a peer comparison."""
 
 
 @dataclass
@@ -238,3 +247,31 @@ def _structure(ty):
     if _ty.is_tuple(ty):
         return tuple(_structure(f) for f in ty.fields)
     return None
+
+
+def tvm_compile_quietly(mod: tvm.IRModule, target=None, **kwargs):
+    """``tvm.compile(mod, target, **kwargs)`` (TVM's own pipeline, the peer of
+    :func:`relaxgrad.compile` in benches and tests) without the lines of
+    :data:`TVM_CODEGEN_NOISE` on stderr; any other output of the compile is printed."""
+    with _stderr_without(TVM_CODEGEN_NOISE):
+        return tvm.compile(mod, target, **kwargs)
+
+
+@contextlib.contextmanager
+def _stderr_without(noise: Sequence[str]) -> Iterator[None]:
+    """Collect what is written to file descriptor 2 (C++ logging included) while the block
+    runs, then write it back to ``sys.stderr`` less the lines containing any of ``noise``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True)
+                    if not any(n in line for n in noise)]  # fmt: skip
+            sys.stderr.write("".join(kept))
