@@ -501,7 +501,7 @@ def test_live_budget_falls_back_to_finer_segments_when_no_knapsack_choice_fits(m
     saves everything), finer sqrt segmentations are tried up to the first that fits; its
     adjoint plans within the budget and its gradients are no checkpointing's."""
     from relaxgrad.analysis import planned_memory_split, replay_memory_plan
-    from relaxgrad.transforms import gradient
+    from relaxgrad.transforms import stages
 
     mod, plain, inputs, want = _small_transformer()
 
@@ -517,7 +517,7 @@ def test_live_budget_falls_back_to_finer_segments_when_no_knapsack_choice_fits(m
     monkeypatch.setattr(P, "segments", lambda prog, count: tried.append(count)
                         or real_segments(prog, count))
     fitted = relaxgrad.Gradient("main", checkpoint=policy)(mod)
-    assert tried and len(tried) <= len(gradient.SEGMENT_GRAINS)
+    assert tried and len(tried) <= len(stages.SEGMENT_GRAINS)
     assert planned_memory_split(fitted, "main_adjoint")["other"] <= cap
     for a, b in zip(_adjoint_values(fitted, inputs), want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
