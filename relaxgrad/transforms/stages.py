@@ -224,7 +224,9 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
     else the least planned bytes, wins.
     """
     from ..analysis import replay_memory_plan
-    from .policies import budget, costly_count, program_from_function, recompute_cost, segments
+    from .costs import recompute_cost
+    from .policies import budget, costly_count, segments  # looked up per call: tests patch them
+    from .program import program_from_function
 
     goal, model = _fitted_budget(request.checkpoint), request.checkpoint.model
     trials: dict[int, tuple] = {}  # model budget -> (score, request, result)
