@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .program import ALIAS_OPS, Program
+from ..program import ALIAS_OPS, Program
 
 __all__ = ["backward_peak_bytes", "peak_bytes", "recompute_cost", "saved_bytes"]
 

@@ -35,8 +35,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..errors import GradientError
-from .costs import backward_peak_bytes, peak_bytes, recompute_cost, saved_bytes
-from .program import (
+from ..program import (
     ALIAS_OPS,
     FREE_OPS,
     Node,
@@ -45,6 +44,7 @@ from .program import (
     program_from_function,
     returned_vars,
 )
+from .costs import backward_peak_bytes, peak_bytes, recompute_cost, saved_bytes
 from .solvers import MAX_DP_CELLS, dp_knapsack, greedy_knapsack, greedy_order, knapsack
 
 __all__ = [

@@ -34,7 +34,7 @@ from .. import _ty
 from .._module import with_function
 from .._stack import with_deep_stack
 from ..errors import GradientError
-from .exprs import _substitute_block, free_vars, substitute
+from ..exprs import _substitute_block, free_vars, substitute
 from .simplify import remove_unused
 from .stages import Callees, differentiate
 from .validate import validate

@@ -18,11 +18,11 @@ from tvm.relax import Function
 
 from .. import _ty
 from ..errors import GradientError
+from ..exprs import called_functions, is_op, substitute
 from ..ops import random
 from .backward import BackwardWalk
 from .checkpoint import CheckpointInfo, strip_markers
 from .custom import CUSTOM_GRADIENT_ATTR, custom_vjp
-from .exprs import called_functions, is_op, substitute
 from .lower import lower_call_tir_with_grad
 from .simplify import remove_unused, simplify_gradient
 from .validate import Request
@@ -224,9 +224,9 @@ def _fit_budget(mod, request: Request, callees, return_result: bool):
     else the least planned bytes, wins.
     """
     from ..analysis import replay_memory_plan
+    from ..program import program_from_function
     from .costs import recompute_cost
     from .policies import budget, costly_count, segments  # looked up per call: tests patch them
-    from .program import program_from_function
 
     goal, model = _fitted_budget(request.checkpoint), request.checkpoint.model
     trials: dict[int, tuple] = {}  # model budget -> (score, request, result)

@@ -14,8 +14,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .. import _ty
-from ..errors import GradientError
+from . import _ty
+from .errors import GradientError
 from .exprs import free_vars
 
 __all__ = [
