@@ -1,9 +1,7 @@
 """relaxgrad: reverse-mode automatic differentiation for Apache TVM's Relax IR."""
 
 from . import _threads  # noqa: F401 (first: sets TVM_NUM_THREADS before TVM's pool starts)
-
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__
 from .errors import GradientError
 from .ops import get_gradient, register_gradient, registered_ops
 from .pipeline import compile

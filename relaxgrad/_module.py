@@ -1,10 +1,13 @@
-"""Module plumbing shared by the passes and the trainer."""
+"""IRModule plumbing shared by the passes, the schedules and the trainer: copies of a module
+with functions added or replaced (the caller's module is never changed)."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import relax
 from tvm.ir import IRModule
+
+__all__ = ["with_function", "with_functions"]
 
 
 def with_function(mod: IRModule, name: str, func) -> IRModule:
@@ -20,3 +23,14 @@ def with_function(mod: IRModule, name: str, func) -> IRModule:
             relax.expr._update_type(gv, func.ty)
     new[gv] = func.with_attr("global_symbol", name)
     return new
+
+
+def with_functions(mod: IRModule, updates: dict) -> IRModule:
+    """A copy of ``mod`` with the functions in ``updates`` (GlobalVar -> function) replaced;
+    ``mod`` itself when there are none. The caller's module is left as it was."""
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod

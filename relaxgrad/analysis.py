@@ -13,7 +13,7 @@ from tvm import relax
 from tvm.ir import IRModule
 
 from . import _ty
-from .transforms.policies import ALIAS_OPS, FREE_OPS, Program, program_from_function
+from .program import ALIAS_OPS, FREE_OPS, Program, program_from_function
 
 __all__ = [
     "count_bindings",
@@ -168,7 +168,7 @@ def live_peak_bytes(program: Program) -> int:
     ----------
     program : Program
         The function as plain data (from
-        :func:`~relaxgrad.transforms.policies.program_from_function`).
+        :func:`~relaxgrad.program.program_from_function`).
 
     Returns
     -------
@@ -247,7 +247,7 @@ def replay_memory_plan(program: Program) -> dict[str, int]:
     ----------
     program : Program
         The function (e.g. an adjoint, from
-        :func:`~relaxgrad.transforms.policies.program_from_function`).
+        :func:`~relaxgrad.program.program_from_function`).
 
     Returns
     -------

@@ -33,6 +33,8 @@ from tvm import relax
 from tvm.ir import IRModule
 from tvm.target import Target
 
+from ._version import __version__
+
 __all__ = ["cache_dir", "cached", "clear", "enabled"]
 
 _log = logging.getLogger(__name__)
@@ -124,8 +126,6 @@ def _key(mod: IRModule, target: Target, context: tvm.transform.PassContext) -> s
 @functools.cache
 def _source_digest() -> str:
     """relaxgrad's version and the contents of its Python files."""
-    from . import __version__
-
     digest = hashlib.sha256(__version__.encode())
     root = Path(__file__).parent
     for path in sorted(root.rglob("*.py")):

@@ -66,6 +66,7 @@ __all__ = [
     "gpu_pipeline",
     "host_target",
     "resolve_target",
+    "target_device",
 ]
 
 DEFAULT_CUDA_ARCH = "sm_90"
@@ -198,6 +199,26 @@ def resolve_target(target: str | Mapping | Target | None) -> Target:
         return Target(target)
     except Exception as err:  # TVM raises ValueError or TVMError depending on the form
         raise GradientError(f"compile: invalid target {target!r}: {err}") from err
+
+
+def target_device(target: str | Mapping | Target) -> tvm.runtime.Device:
+    """The device that code built for ``target`` runs on: the CPU for ``llvm`` and ``c``, else
+    device 0 of the target's kind.
+
+    Parameters
+    ----------
+    target : str, dict or tvm.target.Target
+        The target.
+
+    Returns
+    -------
+    tvm.runtime.Device
+        Its device.
+    """
+    if not isinstance(target, Target):
+        target = Target(target)
+    kind = target.kind.name
+    return tvm.cpu() if kind in ("llvm", "c") else tvm.device(kind, 0)
 
 
 def host_target() -> Target:

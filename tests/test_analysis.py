@@ -16,7 +16,7 @@ from relaxgrad.analysis import (
     replay_memory_plan,
 )
 from relaxgrad.cli import load_module, main
-from relaxgrad.transforms.policies import Node, Program, program_from_function
+from relaxgrad.program import Node, Program, program_from_function
 
 from .transforms.test_checkpoint import BATCH, WIDTH, mlp
 

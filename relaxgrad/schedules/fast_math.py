@@ -24,7 +24,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir import Op
 
-from .._modules import with_functions
+from .._module import with_functions
 
 _LOG2E = 1.44269504088896341
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4

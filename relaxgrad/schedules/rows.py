@@ -28,7 +28,7 @@ from tvm.s_tir.dlight.base import get_extent
 from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
-from .._modules import with_functions
+from .._module import with_functions
 from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, is_one, sblocks
 from .cpu import _cpu_blocks, _static_product, _tile, _vector_lanes
 

@@ -14,7 +14,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from .._modules import with_functions
+from .._module import with_functions
 
 SEQ_SCOPE = "pragma_scope"
 

@@ -20,7 +20,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir import Op
 
-from .._modules import with_functions
+from .._module import with_functions
 
 SCALAR_ONLY = ("tirx.sinh", "tirx.cosh")
 """Math intrinsics whose vectorized form TVM 0.27's LLVM code generation rejects."""

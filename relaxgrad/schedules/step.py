@@ -13,7 +13,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
 
-from .._modules import with_functions
+from .._module import with_functions
 from ..errors import GradientError
 from ._common import (
     THREAD_ENV_ATTRS,

@@ -6,8 +6,9 @@ model function and the per-sample loss), the parameters, buffers and optimizer s
 ``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments
 with their names, shapes and dtypes, the loss target's, the state's array order, optimizer,
 loss and target), and ``runner.py`` with ``state.py``, a training loop that needs only numpy
-and TVM's runtime (:mod:`relaxgrad.runtime_runner`). A CPU library calling OpenBLAS gets the
-``scipy-openblas32`` wheel's library beside it, which it finds by its run path ``$ORIGIN``.
+and TVM's runtime (:mod:`relaxgrad.training.runtime_runner`). A CPU library calling OpenBLAS
+gets the ``scipy-openblas32`` wheel's library beside it, which it finds by its run path
+``$ORIGIN``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import shutil
 
 import tvm
 
-from .. import _ty, runtime_runner
-from ..pipeline import Executable, resolve_target
+from .. import _ty
+from ..pipeline import Executable, resolve_target, target_device
 from ..schedules import blas
-from . import state
-from .trainer import _device
+from . import runtime_runner, state
 
 __all__ = ["LIBRARY", "STATE", "export_trainer"]
 
@@ -99,7 +99,7 @@ def _manifest(trainer, target: tvm.target.Target, shipped: str | None) -> dict:
         "state": STATE,
         "blas": shipped,
         "target": str(target),
-        "device": _device(target).type,
+        "device": target_device(target).type,
         "functions": {"loss_adjoint": f"{name}_loss_adjoint", "optimizer": f"{name}_optimizer",
                       "predict": trainer.eval_func, "sample_loss": f"{name}_sample_loss"},
         "arguments": arguments,

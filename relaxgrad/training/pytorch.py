@@ -58,7 +58,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .. import _ty
 from .._module import with_function
 from ..transforms import stop_gradient
-from ..transforms.exprs import is_op
+from ..exprs import is_op
 from ..ops import random
 from .models import Model
 

@@ -10,15 +10,14 @@ import tvm
 from tvm import relax
 from tvm.ir import IRModule
 
-import relaxgrad
-
-from .. import _ty
+from .. import _ty, pipeline
 from .._module import with_function
 from ..ops import random
 from ..transforms import Gradient
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
 from .distributed import data_parallel, rank_device
+from .export import export_trainer
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
@@ -132,8 +131,9 @@ class Trainer:
         self.eval_func = eval_func or func_name
         self.updates = tuple(updates)
         if target is None:
-            target = relaxgrad.pipeline.host_target()
-        self.device, self.target = rank_device(_device(target), distributed), target
+            target = pipeline.host_target()
+        self.device = rank_device(pipeline.target_device(target), distributed)
+        self.target = target
         self.executable = _compile(self.mod, target, cache, progress)
         self.vm = relax.VirtualMachine(self.executable, self.device)
 
@@ -314,8 +314,6 @@ class Trainer:
         dict
             The manifest (also in ``folder/manifest.json``).
         """
-        from .export import export_trainer
-
         return export_trainer(self, folder, target)
 
     def compile_for(self, target) -> relax.VMExecutable:
@@ -667,18 +665,11 @@ def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExec
     if ticker is not None:
         ticker.start()
     try:
-        return relaxgrad.compile(mod, target, cache=cache)
+        return pipeline.compile(mod, target, cache=cache)
     finally:
         stop.set()
         if ticker is not None:
             ticker.join()
-
-
-def _device(target) -> tvm.runtime.Device:
-    if not isinstance(target, tvm.target.Target):
-        target = tvm.target.Target(target)
-    kind = target.kind.name
-    return tvm.cpu() if kind in ("llvm", "c") else tvm.device(kind, 0)
 
 
 def _with_function(mod: IRModule, name: str, func: relax.Function) -> IRModule:

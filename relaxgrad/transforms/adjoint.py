@@ -14,7 +14,7 @@ from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
-from .exprs import is_op
+from ..exprs import is_op
 
 Msg = Expr | tuple | None
 

@@ -11,6 +11,7 @@ from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
+from ..exprs import free_vars, is_op, rename_seq
 from ..ops import get_gradient
 from ..ops.registry import missing_rule_hint
 from .adjoint import (
@@ -23,7 +24,6 @@ from .adjoint import (
     to_msg,
 )
 from .checkpoint import CheckpointInfo, Regenerator
-from .exprs import free_vars, is_op, rename_seq
 
 TE_GRAD_PREFIX = "tvm.relax.te_grad._register."
 

@@ -22,7 +22,7 @@ from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
-from .exprs import free_vars, is_op, substitute
+from ..exprs import free_vars, is_op, substitute
 
 __all__ = ["CheckpointInfo", "Regenerator", "strip_markers"]
 

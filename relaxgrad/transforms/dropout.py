@@ -16,8 +16,8 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .. import _ty
 from .._module import with_function
 from ..errors import GradientError
+from ..exprs import is_op
 from ..ops import random
-from .exprs import is_op
 
 __all__ = ["KeyDropout"]
 

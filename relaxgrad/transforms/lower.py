@@ -8,8 +8,8 @@ from tvm import relax
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._modules import with_functions
-from .exprs import is_op
+from .._module import with_functions
+from ..exprs import is_op
 
 __all__ = ["LowerCallTIRWithGrad", "lower_call_tir_with_grad"]
 

@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 from tvm.ir import IRModule, Op
 
-from .._modules import with_functions
+from .._module import with_functions
 
 __all__ = ["PlanBlockMemory", "escaping_storages"]
 

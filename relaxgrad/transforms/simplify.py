@@ -26,7 +26,7 @@ from tvm.ir import Op
 from tvm.relax import Function
 
 from .. import _ty
-from .exprs import is_op, substitute
+from ..exprs import is_op, substitute
 
 
 def _is_transpose(expr) -> bool:

@@ -6,7 +6,7 @@
 - ``<f>_bwd(residuals..., [output grads]) -> (grads...)``
 
 instead of ``<f>_adjoint``. The pair is the adjoint cut in two: the adjoint is built as usual
-(:func:`.gradient.differentiate`), its re-emitted forward bindings go to ``_fwd`` and everything
+(:func:`.stages.differentiate`), its re-emitted forward bindings go to ``_fwd`` and everything
 else to ``_bwd``. The residuals are exactly the forward values the backward reads: a value the
 checkpoint policy keeps is a residual; a value it drops is recomputed inside ``_bwd`` (as
 ``<name>_cp``) from residuals. So the memory held between the two calls follows the same
@@ -34,8 +34,10 @@ from .. import _ty
 from .._module import with_function
 from .._stack import with_deep_stack
 from ..errors import GradientError
-from .exprs import _substitute_block, free_vars, substitute
+from ..exprs import _substitute_block, free_vars, substitute
 from .simplify import remove_unused
+from .stages import Callees, differentiate
+from .validate import validate
 
 __all__ = ["Residual", "SplitInfo", "split_info"]
 
@@ -79,9 +81,6 @@ def _fmt(n) -> str:
 
 def split_gradient_module(mod: IRModule, **args) -> IRModule:
     """The split-mode pass body: ``mod`` with ``<f>_fwd`` and ``<f>_bwd`` added."""
-    from .gradient import Callees, differentiate
-    from .validate import validate
-
     name = args["func_name"]
     request = validate(mod, **args)
     callees = Callees(mod, args["checkpoint"])

@@ -11,7 +11,7 @@ from tvm.relax import Function, Var
 
 from .. import _ty
 from ..errors import GradientError
-from .exprs import called_functions, free_vars
+from ..exprs import called_functions, free_vars
 
 __all__ = ["Request", "validate", "validate_arguments"]
 

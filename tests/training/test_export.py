@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tvm
 
-from relaxgrad.runtime_runner import Runner
 from relaxgrad.training import Adam, CrossEntropyLoss, MomentumSGD, Trainer, cnn, mlp
+from relaxgrad.training.runtime_runner import Runner
 from relaxgrad.training.state import read_state
 
 STEPS = 10

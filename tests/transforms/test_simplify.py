@@ -11,8 +11,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relaxgrad
+from relaxgrad.exprs import is_op
 from relaxgrad.testing import check_gradients
-from relaxgrad.transforms.exprs import is_op
 from relaxgrad.transforms.simplify import remove_unused, simplify_gradient
 
 # --- regressions: permute_dims(matmul(a, b)) with a vector operand ---------------------------

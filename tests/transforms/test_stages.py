@@ -8,7 +8,7 @@ from tvm.script import relax as R
 
 import relaxgrad
 from relaxgrad.transforms.checkpoint import strip_markers
-from relaxgrad.transforms.gradient import _forward_segments
+from relaxgrad.transforms.stages import _forward_segments
 
 
 @I.ir_module

@@ -11,8 +11,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.ir import Op
 
-from .. import _ty
-from ..errors import GradientError
+from . import _ty
+from .errors import GradientError
 
 __all__ = ["called_functions", "free_vars", "is_op", "op_name", "rename_seq", "substitute"]
 

@@ -35,7 +35,7 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 try:  # inside relaxgrad
-    from .training.state import read_state, write_state
+    from .state import read_state, write_state
 except ImportError:  # the copy beside the artifacts, with state.py as its neighbour
     from state import read_state, write_state
 
