@@ -282,8 +282,9 @@ def _vector_split(sch: s_tir.Schedule, info, loops: list, lanes: int) -> tuple:
         extents = [get_extent(sch, loop) for loop in group]
         if all(isinstance(e, int) for e in extents):
             extent, step = math.prod(extents), max(lanes // 4, 1)
-            tile = next((d for d in range(lanes, step - 1, -step) if extent % d == 0),
-                        extent if extent <= lanes else None)
+            tile = next((d for d in range(lanes, step - 1, -step) if extent % d == 0), None)
+            tile = tile or next((d for d in range(min(lanes, extent), step - 1, -1)
+                                 if extent % d == 0), None)  # fmt: skip
             if tile is not None:
                 fused = sch.fuse(*group) if len(group) > 1 else group[0]
                 middle, inner = sch.split(fused, [None, tile])
