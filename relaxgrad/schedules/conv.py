@@ -27,11 +27,13 @@ from tvm import relax, s_tir, te, tirx
 from tvm.ir import IRModule, Op
 from tvm.relax import op
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.target import Target
 
 from .. import _ty
 from . import blas
 from ._common import OPAQUE, bound_values, read_counts, rewrite_functions, static_shape
 from .blas import _is
+from .cpu import _vector_lanes, _vectorize_unrolled
 
 
 @tvm.transform.module_pass(opt_level=0, name="ConvToMatmul")
@@ -276,7 +278,11 @@ def _schedule(func: tirx.PrimFunc, vectorize: bool) -> tirx.PrimFunc:
     if taps:
         sch.reorder(*outer, *taps, inner)
     sch.parallel(sch.fuse(*outer))
-    if vectorize:
+    target = Target.current(allow_none=True)
+    if vectorize and target is not None and target.kind.name == "llvm":
+        dtype = sch.get(block).writes[0].source.dtype
+        _vectorize_unrolled(sch, inner, _vector_lanes(target, dtype))
+    elif vectorize:
         sch.vectorize(inner)
     if taps:
         sch.decompose_reduction(block, taps[0])

@@ -229,7 +229,7 @@ class ParallelLoops(ScheduleRule):
         if _static_product(info.dom()) >= self.parallel_elements:
             sch.parallel(fused)
         if inner is not None:
-            sch.vectorize(inner)
+            _vectorize_unrolled(sch, inner, lanes // 4)
             sch.decompose_reduction(info.block_rv, first_reduction)
 
     def _partial_vectors(self, sch: s_tir.Schedule, info, lanes: int) -> None:
