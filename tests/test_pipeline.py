@@ -604,3 +604,34 @@ def test_overlapping_max_pool_gradient_is_one_scheduled_kernel():
     tx = torch.tensor(xs[0], requires_grad=True)
     (torch.nn.functional.max_pool2d(tx, 3, 1, 1) * torch.tensor(xs[1])).sum().backward()
     np.testing.assert_allclose(grads[0].numpy(), tx.grad.numpy(), rtol=1e-12)
+
+
+def test_a_build_failing_with_unchecked_schedules_is_built_again_with_checked_ones(monkeypatch):
+    """``relaxgrad.compile`` takes the default rules' schedules unchecked; should that build
+    fail (here: a pass raising as a schedule TVM cannot lower would), it builds again with
+    each schedule checked, and the result computes the function."""
+    import relaxgrad.pipeline as pipeline
+
+    made = []
+
+    @tvm.transform.module_pass(opt_level=0, name="FailsUnchecked")
+    def fails(mod, ctx):
+        raise tvm.error.InternalError("a schedule TVM cannot lower")
+
+    real = pipeline.cpu_pipeline
+
+    def recording(target, schedule=None, min_rows=64):
+        made.append(None if schedule is None else schedule.verify)
+        built = real(target, schedule, min_rows)
+        return tvm.transform.Sequential([fails, built]) if made[-1] is False else built
+
+    monkeypatch.setattr(pipeline, "cpu_pipeline", recording)
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        bb.emit_func_output(bb.emit(op.exp(x)))
+    vm = relax.VirtualMachine(relaxgrad.compile(bb.get(), "llvm"), tvm.cpu())
+    assert made == [False, None]  # unchecked, then the default ScheduleCPU (verify=True)
+    value = np.arange(32, dtype="float32").reshape(4, 8) / 32
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(value)).numpy(), np.exp(value),
+                               rtol=1e-6)
