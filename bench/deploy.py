@@ -230,8 +230,8 @@ def main() -> None:
         print(f"\n{name}: losses over {CHECK_STEPS} steps (relaxgrad / ONNX Runtime)")
         for i, (a, b) in enumerate(zip(r["tvm_losses"], r["ort_losses"])):
             print(f"  step {i + 1:2d}: {a:.6f}  {b:.6f}  rel. diff {abs(a - b) / abs(b):.1e}")
-    print(f"\n| model | step, relaxgrad (TVM runtime) | step, ONNX Runtime | ratio | artifacts, "
-          f"relaxgrad | artifacts, ONNX Runtime | max rel. loss diff | calls OpenBLAS |")
+    print("\n| model | step, relaxgrad (TVM runtime) | step, ONNX Runtime | ratio | artifacts, "
+          "relaxgrad | artifacts, ONNX Runtime | max rel. loss diff | calls OpenBLAS |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         tvm_ms = statistics.median(r["tvm_times"]) * 1e3

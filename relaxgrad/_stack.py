@@ -6,8 +6,8 @@ Python's recursion limit of 1,000) a deep enough input ends in a ``RecursionErro
 TVM's C++, in a segfault that kills the process with no error. :func:`with_deep_stack` runs a
 call on one long-lived thread whose stack is :data:`STACK_BYTES` (virtual memory: only the pages
 touched are used) with Python's recursion limit raised to :data:`RECURSION_LIMIT`, and hands back
-its result or exception; calls from several threads take turns. The caller's ``tvm.transform.PassContext`` is entered again on that thread (TVM
-keeps it per thread).
+its result or exception; calls from several threads take turns. The caller's
+``tvm.transform.PassContext`` is entered again on that thread (TVM keeps it per thread).
 """
 
 from __future__ import annotations

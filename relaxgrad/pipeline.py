@@ -49,9 +49,9 @@ from .schedules import (
     ScheduleCPU,
     ScheduleGPU,
     SerialVectorLoops,
+    blas,
     default_cpu_rules,
 )
-from .schedules import blas
 from .schedules._common import is_gpu
 from .schedules.cpu import forget_inlined
 from .schedules.scopes import WithoutSeqScopes

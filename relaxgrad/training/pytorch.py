@@ -57,9 +57,9 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from .._module import with_function
-from ..transforms import stop_gradient
 from ..exprs import is_op
 from ..ops import random
+from ..transforms import stop_gradient
 from .models import Model
 
 __all__ = ["DROPOUT_KEY", "from_torch"]

@@ -7,8 +7,8 @@ from relaxgrad.training.state import META_KEY, read_state, write_state
 
 
 def test_round_trip_keeps_values_dtypes_and_meta(tmp_path):
-    arrays = {"w": np.arange(6, dtype="float32").reshape(2, 3), "step": np.array(7, "int64"), "scalar": np.float32(2.5),
-              "key": np.array([1, 2], "uint32")}
+    arrays = {"w": np.arange(6, dtype="float32").reshape(2, 3), "step": np.array(7, "int64"),
+              "scalar": np.float32(2.5), "key": np.array([1, 2], "uint32")}
     path = tmp_path / "ckpt.params"
     write_state(path, arrays, {"step": 7, "names": ["w"]})
     got, meta = read_state(path)

@@ -59,7 +59,8 @@ def test_tuples_nested_500_deep():
                 t = bb.emit(relax.Tuple([x, x]))
                 for _ in range(n):
                     item = bb.emit(relax.TupleGetItem(t, 1))
-                    t = bb.emit(relax.Tuple([t, relax.op.multiply(item, relax.const(c, "float64"))]))
+                    scaled = relax.op.multiply(item, relax.const(c, "float64"))
+                    t = bb.emit(relax.Tuple([t, scaled]))
                 out = bb.emit_output(relax.op.sum(bb.emit(relax.TupleGetItem(t, 1))))
             bb.emit_func_output(out)
         mod = relaxgrad.Gradient("main")(bb.get())

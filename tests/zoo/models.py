@@ -8,7 +8,6 @@ logits tensor of shape ``(rows, classes)``, its example inputs (one batch) and c
 Language models return their per-token logits flattened to ``(batch * seq, vocab)``.
 """
 
-import numpy as np
 import torch
 import transformers as tf
 
