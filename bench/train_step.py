@@ -56,6 +56,7 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
+from _common import fmt, spread  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax import op  # noqa: E402
 
@@ -233,8 +234,8 @@ def paired_times(ours, theirs) -> tuple[tuple, tuple, tuple]:
     for _ in range(ARGS.runs):
         their_time = run_median(theirs)
         pairs.append((run_median(ours), their_time))
-    spread = [[p[0] for p in pairs], [p[1] for p in pairs], [p[0] / p[1] for p in pairs]]
-    return tuple((statistics.median(v), min(v), max(v)) for v in spread)
+    columns = [[p[0] for p in pairs], [p[1] for p in pairs], [p[0] / p[1] for p in pairs]]
+    return tuple(spread(v) for v in columns)
 
 
 def torch_step(net, values, x, y):
@@ -276,12 +277,7 @@ def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
                 func(*args)
                 spent.append(time.perf_counter() - start)
         ratios.append(statistics.median(times[adjoint]) / statistics.median(times[forward]))
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
-def fmt(t, scale=1e3) -> str:
-    median, low, high = (v * scale for v in t)
-    return f"{median:.2f} ({low:.2f}-{high:.2f})"
+    return spread(ratios)
 
 
 def main() -> None:
