@@ -26,7 +26,9 @@ Each (model, framework) runs in a child process of its own: it builds the model 
 batch and the targets, compiles, takes one untimed first step and ``--steps`` timed steps, and
 prints a line of JSON. *Compile* is relaxgrad's ``from_torch`` plus the ``Trainer``'s
 construction with the compile cache off (a real compile), and for ``torch.compile`` the time of
-its first step (inductor compiles while it runs it, the step included). *Peak RSS* is the
+its first step (inductor compiles while it runs it, the step included); each child starts with
+empty compile caches (a fresh ``TORCHINDUCTOR_CACHE_DIR``; inductor would otherwise load the
+previous round's kernels). *Peak RSS* is the
 child's ``ru_maxrss``: the whole process, Python, torch and transformers included (relaxgrad's
 child also holds the PyTorch model ``from_torch`` read, and TVM); ``base`` below the table is
 the peak after building the PyTorch model, before any framework ran. Inductor compiles its
@@ -57,6 +59,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 MODELS = ("bert", "resnet50", "gpt2")
@@ -218,10 +221,15 @@ def run_child(name: str, framework: str) -> dict:
             "--threads", str(ARGS.threads), "--batch", str(ARGS.batch)]
     if ARGS.small:
         args.append("--small")
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=ARGS.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {ARGS.timeout:.0f} s"}
+    with tempfile.TemporaryDirectory(prefix="real-models-") as cache:
+        # empty compile caches: inductor's (FX graphs, kernels) and relaxgrad's
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   RELAXGRAD_CACHE_DIR=os.path.join(cache, "relaxgrad"))
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=ARGS.timeout,
+                                  env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {ARGS.timeout:.0f} s"}
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
