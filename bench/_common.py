@@ -21,6 +21,21 @@ class Logits(torch.nn.Module):
         return logits.reshape(-1, logits.shape[-1]) if self.flat else logits
 
 
+def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None):
+    """One PyTorch training step of ``net`` on ``(x, target)`` as a function returning the loss:
+    cross-entropy, backward and Adam (lr 1e-3) over ``parameters`` (default: ``net``'s)."""
+    optimizer = torch.optim.Adam(net.parameters() if parameters is None else parameters, lr=1e-3)
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), target)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return step
+
+
 def spread(values) -> tuple[float, float, float]:
     """``(median, min, max)`` of ``values``."""
     values = list(values)

@@ -28,15 +28,16 @@ prints a line of JSON. *Compile* is relaxgrad's ``from_torch`` plus the ``Traine
 construction with the compile cache off (a real compile), and for ``torch.compile`` the time of
 its first step (inductor compiles while it runs it, the step included); each child starts with
 empty compile caches (a fresh ``TORCHINDUCTOR_CACHE_DIR``; inductor would otherwise load the
-previous round's kernels). *Peak RSS* is the
-child's ``ru_maxrss``: the whole process, Python, torch and transformers included (relaxgrad's
-child also holds the PyTorch model ``from_torch`` read, and TVM); ``base`` below the table is
-the peak after building the PyTorch model, before any framework ran. Inductor compiles its
-kernels in worker processes whose memory is not in its RSS (their largest peak is printed as
-``workers``). While a child's timed steps run it measures the CPU time the rest of the
-machine took (``/proc/stat`` less its own), printed as *others' load* in cores (the largest
-over its rounds): PyTorch's thread pool suffers most from a busy core (its 2 threads meet at
-every op; on 2 cores with one taken by another job, tiny BERT's eager step took 20x longer).
+previous round's kernels). *Peak RSS* is the child's ``ru_maxrss``: the whole process, Python,
+torch and transformers included (relaxgrad's child also holds the PyTorch model ``from_torch``
+read, and TVM). Below the table, *built* is the peak after building the PyTorch model, before
+any framework ran, and *compiled* the peak after the compile (relaxgrad's; the others' is the
+built one), before the first step. Inductor compiles its kernels in worker processes whose
+memory is not in its RSS (their largest peak is printed as ``workers``). While a child's timed
+steps run it measures the CPU time the rest of the machine took (``/proc/stat`` less its own),
+printed as *others' load* in cores (the largest over its rounds): PyTorch's thread pool suffers
+most from a busy core (its 2 threads meet at every op; on 2 cores with one taken by another
+job, tiny BERT's eager step took 20x longer).
 
 What is interleaved: per model, ``--runs`` rounds, each a child of every framework in turn
 (eager, ``torch.compile``, relaxgrad, the order rotated each round), so that load from other
@@ -151,20 +152,11 @@ def timed(fn, *args) -> tuple[float, object]:
 
 def torch_step(module, x, y, compiled: bool):
     import torch
+    from _common import torch_adam_step
 
     module.train()
-    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
     net = torch.compile(module) if compiled else module
-    target = torch.from_numpy(y)
-
-    def step():
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(x), target)
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach())
-
-    return step
+    return torch_adam_step(net, x, torch.from_numpy(y), module.parameters())
 
 
 def relaxgrad_step(module, x, y):
@@ -194,6 +186,7 @@ def child(name: str, framework: str) -> dict:
         out["compile_s"], step = timed(relaxgrad_step, module, x, y)
     else:
         out["compile_s"], step = 0.0, torch_step(module, x, y, framework == "compile")
+    out["compile_rss_mib"] = peak_rss_mib()  # the peak so far: the build and the compile
     out["first_step_s"], first_loss = timed(step)
     if framework == "compile":
         out["compile_s"] = out["first_step_s"]
@@ -273,7 +266,7 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict]:
         out[framework] = {"step": spread(medians), "medians": medians,
                           **{k: statistics.median(r[k] for r in runs) for k in (
                               "compile_s", "first_step_s", "peak_rss_mib", "base_rss_mib",
-                              "workers_rss_mib")},
+                              "compile_rss_mib", "workers_rss_mib")},
                           "others_cores": max(r["others_cores"] for r in runs),
                           "label": runs[0]["label"], "loss": runs[0]["losses"][-1]}
     return out
@@ -314,6 +307,17 @@ HEADER = ("| model, batch {batch} | relaxgrad step ms | eager ms | torch.compile
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+def notes(framework: str, s: dict) -> str:
+    """What the table leaves out of one framework's summary ``s``."""
+    if "error" in s:
+        return f"{LABELS[framework]} failed: {s['error']}"
+    workers = f", workers' RSS {s['workers_rss_mib']:.0f} MiB" if framework == "compile" else ""
+    return (f"{LABELS[framework]} first step {s['first_step_s']:.2f} s, peak RSS "
+            f"{s['base_rss_mib']:.0f} MiB built, {s['compile_rss_mib']:.0f} MiB compiled{workers}, "
+            f"loss after {ARGS.steps + 1} steps {s['loss']:.4f}, others' load up to "
+            f"{s['others_cores']:.2f} cores")
+
+
 def main() -> None:
     import torch
 
@@ -328,17 +332,7 @@ def main() -> None:
     for name, s in summaries.items():
         print(row(name, s))
     for name, s in summaries.items():
-        notes = []
-        for fw in ("relaxgrad", "eager", "compile"):
-            v = s[fw]
-            notes.append(f"{LABELS[fw]} " + (f"failed: {v['error']}" if "error" in v else
-                         f"first step {v['first_step_s']:.2f} s, base RSS "
-                         f"{v['base_rss_mib']:.0f} MiB, loss after {ARGS.steps + 1} steps "
-                         f"{v['loss']:.4f}, others' load up to {v['others_cores']:.2f} cores"
-                         + (f", workers' RSS {v['workers_rss_mib']:.0f} MiB"
-                                               if fw == "compile" else "")))
-        print(f"{name}: " + "; ".join(notes))
-
+        print(f"{name}: " + "; ".join(notes(fw, s[fw]) for fw in ("relaxgrad", "eager", "compile")))
 
 if __name__ == "__main__":
     if ARGS.child:

@@ -56,7 +56,7 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from _common import fmt, spread  # noqa: E402
+from _common import fmt, spread, torch_adam_step  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax import op  # noqa: E402
 
@@ -244,17 +244,7 @@ def torch_step(net, values, x, y):
     assert all("running" in k or "batches" in k for k in missing), missing
     net.load_state_dict(state, strict=False)
     net.train()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def step():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(tx), ty)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    return step
+    return torch_adam_step(net, torch.from_numpy(x), torch.from_numpy(y))
 
 
 def relaxgrad_trainer(func, values):
