@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -129,10 +130,8 @@ def build(name: str, rng):
     raise ValueError(f"unknown model {name!r}")
 
 
-def peak_rss_mib(who=None) -> float:
-    import resource
-
-    return resource.getrusage(who or resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def peak_rss_mib(who: int = resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024  # KiB on Linux
 
 
 def cpu_seconds() -> tuple[float, float]:
@@ -199,8 +198,6 @@ def child(name: str, framework: str) -> dict:
     (busy_end, own_end), wall = cpu_seconds(), time.perf_counter() - start
     # the CPUs other processes kept busy while the steps ran, in cores
     out["others_cores"] = max(0.0, (busy_end - busy) - (own_end - own)) / wall
-    import resource
-
     out.update(step_s=times, losses=losses, peak_rss_mib=peak_rss_mib(),
                workers_rss_mib=peak_rss_mib(resource.RUSAGE_CHILDREN))
     return out
