@@ -43,6 +43,7 @@ os.environ.setdefault("TVM_NUM_THREADS", str(ARGS.threads))
 os.environ["RELAXGRAD_CACHE_DIR"] = tempfile.mkdtemp(prefix="relaxgrad-bench-cache-")
 
 import torch  # noqa: E402
+from _common import Logits  # noqa: E402
 
 import relaxgrad  # noqa: E402
 from relaxgrad.analysis import count_bindings  # noqa: E402
@@ -52,17 +53,6 @@ from relaxgrad.training import SGD, CrossEntropyLoss, cnn, from_torch, mlp  # no
 from relaxgrad.training.trainer import training_module  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
-
-
-class Logits(torch.nn.Module):
-    """A Hugging Face model as a module returning its logits."""
-
-    def __init__(self, model, key: str = "pixel_values"):
-        super().__init__()
-        self.model, self.key = model, key
-
-    def forward(self, x):
-        return self.model(**{self.key: x}).logits
 
 
 def transformer(blocks: int):

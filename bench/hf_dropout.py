@@ -34,20 +34,11 @@ import copy  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers as hf  # noqa: E402
+from _common import Logits  # noqa: E402
 
 from relaxgrad.training import Adam, CrossEntropyLoss, Trainer, from_torch  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model, key, flat=False):
-        super().__init__()
-        self.model, self.key, self.flat = model, key, flat
-
-    def forward(self, x):
-        logits = self.model(**{self.key: x}).logits
-        return logits.reshape(-1, logits.shape[-1]) if self.flat else logits
 
 
 def build(name: str, rng):

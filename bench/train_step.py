@@ -56,6 +56,7 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
+from _common import fmt, spread, torch_adam_step  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax import op  # noqa: E402
 
@@ -233,8 +234,8 @@ def paired_times(ours, theirs) -> tuple[tuple, tuple, tuple]:
     for _ in range(ARGS.runs):
         their_time = run_median(theirs)
         pairs.append((run_median(ours), their_time))
-    spread = [[p[0] for p in pairs], [p[1] for p in pairs], [p[0] / p[1] for p in pairs]]
-    return tuple((statistics.median(v), min(v), max(v)) for v in spread)
+    columns = [[p[0] for p in pairs], [p[1] for p in pairs], [p[0] / p[1] for p in pairs]]
+    return tuple(spread(v) for v in columns)
 
 
 def torch_step(net, values, x, y):
@@ -243,17 +244,7 @@ def torch_step(net, values, x, y):
     assert all("running" in k or "batches" in k for k in missing), missing
     net.load_state_dict(state, strict=False)
     net.train()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-
-    def step():
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(tx), ty)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    return step
+    return torch_adam_step(net, torch.from_numpy(x), torch.from_numpy(y))
 
 
 def relaxgrad_trainer(func, values):
@@ -276,12 +267,7 @@ def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
                 func(*args)
                 spent.append(time.perf_counter() - start)
         ratios.append(statistics.median(times[adjoint]) / statistics.median(times[forward]))
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
-def fmt(t, scale=1e3) -> str:
-    median, low, high = (v * scale for v in t)
-    return f"{median:.2f} ({low:.2f}-{high:.2f})"
+    return spread(ratios)
 
 
 def main() -> None:

@@ -1,0 +1,48 @@
+"""Helpers shared by the benches (``from _common import ...``: each bench runs as a script,
+with ``bench/`` first on ``sys.path``)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+class Logits(torch.nn.Module):
+    """A Hugging Face model as a module of one input returning its logits (``model(**{key:
+    x}).logits``), flattened to ``(rows, classes)`` when ``flat`` (a language model's tokens)."""
+
+    def __init__(self, model, key: str = "pixel_values", flat: bool = False):
+        super().__init__()
+        self.model, self.key, self.flat = model, key, flat
+
+    def forward(self, x):
+        logits = self.model(**{self.key: x}).logits
+        return logits.reshape(-1, logits.shape[-1]) if self.flat else logits
+
+
+def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None):
+    """One PyTorch training step of ``net`` on ``(x, target)`` as a function returning the loss:
+    cross-entropy, backward and Adam (lr 1e-3) over ``parameters`` (default: ``net``'s)."""
+    optimizer = torch.optim.Adam(net.parameters() if parameters is None else parameters, lr=1e-3)
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), target)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return step
+
+
+def spread(values) -> tuple[float, float, float]:
+    """``(median, min, max)`` of ``values``."""
+    values = list(values)
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(t: tuple[float, float, float], scale: float = 1e3, digits: int = 2) -> str:
+    """A ``(median, min, max)`` triple, scaled, as ``"median (min-max)"``."""
+    median, low, high = (v * scale for v in t)
+    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
