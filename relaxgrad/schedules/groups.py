@@ -406,8 +406,12 @@ class _Grouper:
                         params[arg] = relax.Var(arg.name, arg.ty)
                         args.append(arg)
                     fields.append(inner.get(arg, params.get(arg, arg)))
+                typed = value.ty
                 value = relax.Call(value.op, [value.args[0], relax.Tuple(fields), *value.args[2:]],
                                    value.attrs, value.ty_args)  # fmt: skip
+                # typed as the original call: _fused_prim_func's normalization types the calls
+                # of a function in place, and a cached (typed) one never equalled a new one
+                relax.expr._update_type(value, typed)
             inner[binding.var] = relax.Var(binding.var.name, binding.var.ty)
             body.append(relax.VarBinding(inner[binding.var], value))
         calls = relax.DataflowBlock([bindings[i] for i in members])
