@@ -545,6 +545,7 @@ class _Block:
 
     def __init__(self, block: relax.DataflowBlock, outside: dict):
         self.values, self.pos, self.readers, self.outside = {}, {}, {}, outside
+        self._aliases: dict | None = None
         for index, binding in enumerate(block.bindings):
             if isinstance(binding, relax.VarBinding):
                 self.values[binding.var], self.pos[binding.var] = binding.value, index
@@ -578,6 +579,16 @@ class _Block:
         while isinstance(self.values.get(var), relax.Var):
             var = self.values[var]
         return var
+
+    def aliases(self, var) -> list:
+        """The vars some binding reads whose :meth:`canonical` is ``var`` (``var`` too), in
+        the order of the first binding reading each; indexed once per block, where a scan of
+        every read var per product was quadratic in the block."""
+        if self._aliases is None:
+            self._aliases = {}
+            for read in self.readers:
+                self._aliases.setdefault(self.canonical(read), []).append(read)
+        return self._aliases.get(var, [])
 
     def _group(self, total) -> _Group | None:
         terms, inner, stack = [], {total}, [total]
@@ -620,7 +631,7 @@ class _Block:
         if d_shape[:-1] + w_shape[1:] != shape or not _float32(d, w):
             return None
         column = _Column(term, self.canonical(d), w)
-        names = [v for v in self.readers if self.canonical(v) == column.d]
+        names = self.aliases(column.d)
         if any(self.outside.get(v) for v in names):
             return None
         k = d_shape[-1]
