@@ -23,7 +23,7 @@ from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import rewrite_functions, static_shape
+from ._common import static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
@@ -41,11 +41,19 @@ class DuplicateCheapProducers:
         # A copy reads its producer's operands: when one of them is itself a cheap producer, it
         # has a reader more, which the next round gives a copy of its own (``c = x - mean``
         # read by the copies of ``c * rstd`` in a batch norm's gradient).
+        todo = None  # the functions a round rewrites: all, then those the last one changed
         for _ in range(self.max_rounds):
-            rewriter = _Rewriter(mod)
-            mod = rewrite_functions(rewriter, mod)
-            if not rewriter.copies:
+            rewriter, changed = _Rewriter(mod), set()
+            for gvar, func in mod.functions_items():
+                if isinstance(func, relax.Function) and (todo is None or gvar in todo):
+                    copies = rewriter.copies
+                    rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
+                    if rewriter.copies > copies:
+                        changed.add(gvar)
+            mod = rewriter.builder_.get()
+            if not changed:
                 break
+            todo = changed
         return mod
 
 
@@ -81,6 +89,8 @@ class _Rewriter(PyExprMutator):
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         self.cheap, self.seen = self._cheap_producers(func), set()
+        if not self.cheap:
+            return func  # nothing to copy: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
     def _cheap_producers(self, func: relax.Function) -> dict:
@@ -100,14 +110,20 @@ class _Rewriter(PyExprMutator):
                 read_anywhere[var] = read_anywhere.get(var, 0) + 1
         for var in relax.analysis.free_vars(func.body.body):  # the function's result
             read_anywhere[var] = read_anywhere.get(var, 0) + 1
-        cheap = {}
+        cheap, known = {}, {}
+
+        def size_of(expr):  # each var's size once (static_shape is slow-ish in Python)
+            if expr not in known:
+                known[expr] = _size(expr)
+            return known[expr]
+
         for b in bindings:
             pattern = _pattern(self.patterns, b.value)
             if pattern is None or pattern > 1 or not isinstance(b.var, relax.DataflowVar):
                 continue
-            size = _size(b.var)
+            size = size_of(b.var)
             args = list(b.value.args[1])
-            sizes = [_size(a) for a in args]
+            sizes = [size_of(a) for a in args]
             if size is None or None in sizes or sum(s == size for s in sizes) != 1:
                 continue
             if any(s > size for s in sizes):
