@@ -14,7 +14,9 @@ Models: ``mlp`` and ``cnn`` (``relaxgrad.training``'s), ``transformer4`` / ``tra
 (PyTorch ``nn.TransformerEncoderLayer`` stacks, d 64, seq 16, through ``from_torch``), and tiny
 Hugging Face ``transformers`` models through ``from_torch``: ``hf-resnet``, ``hf-bert``,
 ``hf-mobilenetv2``, ``hf-efficientnet``; ``--big`` adds ``resnet50`` (the full-size Hugging Face
-config, batch 8, 224x224). Run ``python bench/compile_time.py [--models ...] [--big]``.
+config, batch 8, 224x224); ``--zoo`` adds every model of the test suite's Hugging Face zoo
+(``tests/zoo/models.py``: ``zoo-gpt2``, ``zoo-llama``, ...). Run
+``python bench/compile_time.py [--models ...] [--big] [--zoo]``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -33,6 +36,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--big", action="store_true", help="add full-size ResNet-50")
+    parser.add_argument("--zoo", action="store_true", help="add the test suite's zoo models")
     parser.add_argument("--runs", type=int, default=1, help="compiles per model and compiler")
     parser.add_argument("--threads", type=int, default=2)
     return parser.parse_args()
@@ -42,6 +46,7 @@ ARGS = parse_args()
 os.environ.setdefault("TVM_NUM_THREADS", str(ARGS.threads))
 os.environ["RELAXGRAD_CACHE_DIR"] = tempfile.mkdtemp(prefix="relaxgrad-bench-cache-")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _common import Logits  # noqa: E402
 
@@ -102,7 +107,18 @@ def build(name: str):
         return cnn(16)
     if name.startswith("transformer"):
         return transformer(int(name.removeprefix("transformer")))
+    if name.startswith("zoo-"):
+        module, inputs, _ = zoo()[name.removeprefix("zoo-")](np.random.default_rng(0))
+        return from_torch(module, inputs)
     return hugging_face(name)
+
+
+def zoo() -> dict:
+    """The test suite's zoo of tiny Hugging Face models (``tests/zoo/models.py``)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.zoo.models import ZOO
+
+    return ZOO
 
 
 def timed(fn, *args, **kwargs) -> float:
@@ -114,6 +130,7 @@ def timed(fn, *args, **kwargs) -> float:
 def main():
     target = host_target()
     names = ARGS.models + (["resnet50"] if ARGS.big else [])
+    names += [f"zoo-{name}" for name in zoo()] if ARGS.zoo else []
     rows, times = [], {}
     header = (f"{'model':16} {'forward':>8} {'adjoint':>8} {'adj/fwd':>8} {'tvm.compile s':>14} "
               f"{'relaxgrad s':>12} {'ratio':>6} {'cached s':>9}")  # fmt: skip
