@@ -160,7 +160,7 @@ def check_gradients(
     target = tvm.target.Target(target)
     kind = target.kind.name
     dev = tvm.cpu() if kind == "llvm" else tvm.device(kind)
-    build = compile or (lambda m, t: tvm.compile(m, target=t))
+    build = compile or (lambda m, t: tvm_compile_quietly(m, target=t))
     vm = relax.VirtualMachine(build(grad_mod, target), dev)
     fwd, adj = vm[func_name], vm[func_name + "_adjoint"]
 

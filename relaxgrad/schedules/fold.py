@@ -21,6 +21,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from .. import _ty
 from ._common import rewrite_functions, static_shape
 from .columns import _is_call_tir
+from .scopes import WithoutSeqScopes
 
 
 @tvm.transform.module_pass(opt_level=0, name="FoldConstantCalls")
@@ -63,7 +64,7 @@ class _Folder(PyExprMutator):
                                                                        gvar.name_hint)
                  for gvar, prim in prims.items()}  # fmt: skip
         try:
-            library = tvm.tirx.build(IRModule(named), target="llvm")
+            library = tvm.tirx.build(WithoutSeqScopes()(IRModule(named)), target="llvm")
         except Exception:  # noqa: BLE001 (each built alone then)
             return
         for gvar in prims:
@@ -112,7 +113,8 @@ class _Folder(PyExprMutator):
             if isinstance(prim, tirx.PrimFunc):
                 prim = prim.without_attr("target").with_attr("global_symbol", "main")
                 try:
-                    built = tvm.tirx.build(IRModule({"main": prim}), target="llvm")["main"]
+                    alone = WithoutSeqScopes()(IRModule({"main": prim}))
+                    built = tvm.tirx.build(alone, target="llvm")["main"]
                 except Exception:  # noqa: BLE001 (not folded: it runs as compiled code)
                     built = None
             self.built[gvar] = built
