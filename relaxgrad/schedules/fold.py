@@ -60,11 +60,8 @@ class _Folder(PyExprMutator):
         prims = {gvar: prim for gvar, prim in prims.items() if isinstance(prim, tirx.PrimFunc)}
         if len(prims) < 2:
             return
-        named = {gvar.name_hint: prim.without_attr("target").with_attr("global_symbol",
-                                                                       gvar.name_hint)
-                 for gvar, prim in prims.items()}  # fmt: skip
         try:
-            library = tvm.tirx.build(WithoutSeqScopes()(IRModule(named)), target="llvm")
+            library = _library({gvar.name_hint: prim for gvar, prim in prims.items()})
         except Exception:  # noqa: BLE001 (each built alone then)
             return
         for gvar in prims:
@@ -92,16 +89,14 @@ class _Folder(PyExprMutator):
     def _evaluated(self, call: relax.Call) -> _ty.Constant | None:
         """The value of ``call``, a ``call_tir`` of one static-shape tensor from constants;
         None where it is anything else or its PrimFunc does not build."""
-        operands = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
-        shape = static_shape(call)
-        if shape is None or not all(isinstance(x, _ty.Constant) for x in operands):
+        if not _foldable_call(call, lambda x: False):
             return None
         func = self._built(call.args[0])
         if func is None:
             return None
-        out = tvm.runtime.empty(shape, _ty.dtype_of(call), tvm.cpu())
+        out = tvm.runtime.empty(static_shape(call), _ty.dtype_of(call), tvm.cpu())
         try:
-            func(*(x.value for x in operands), out)
+            func(*(x.value for x in _operands(call)), out)
         except Exception:  # noqa: BLE001 (e.g. an index out of bounds: left to run, and raise)
             return None
         return relax.const(out)
@@ -111,10 +106,8 @@ class _Folder(PyExprMutator):
             prim = self.mod[gvar]
             built = None
             if isinstance(prim, tirx.PrimFunc):
-                prim = prim.without_attr("target").with_attr("global_symbol", "main")
                 try:
-                    alone = WithoutSeqScopes()(IRModule({"main": prim}))
-                    built = tvm.tirx.build(alone, target="llvm")["main"]
+                    built = _library({"main": prim})["main"]
                 except Exception:  # noqa: BLE001 (not folded: it runs as compiled code)
                     built = None
             self.built[gvar] = built
@@ -135,10 +128,28 @@ def _foldable(mod: IRModule) -> list:
                 if isinstance(value, _ty.Constant) or (isinstance(value, relax.Var)
                                                        and value in constant):  # fmt: skip
                     constant.add(binding.var)
-                elif _is_call_tir(value) and len(value.args) == 2 and static_shape(value):
-                    args = value.args[1]
-                    operands = args.fields if isinstance(args, relax.Tuple) else [args]
-                    if all(isinstance(x, _ty.Constant) or x in constant for x in operands):
-                        constant.add(binding.var)
-                        found.setdefault(value.args[0], None)
+                elif _foldable_call(value, constant.__contains__):
+                    constant.add(binding.var)
+                    found.setdefault(value.args[0], None)
     return list(found)
+
+
+def _operands(call: relax.Call) -> list:
+    """The tensors a ``call_tir`` passes to its PrimFunc."""
+    return call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+
+
+def _foldable_call(value, constant) -> bool:
+    """Whether ``value`` is a ``call_tir`` of one static-shape tensor whose operands are
+    constants or vars for which ``constant`` holds."""
+    if not (_is_call_tir(value) and len(value.args) == 2) or static_shape(value) is None:
+        return False
+    return all(isinstance(x, _ty.Constant) or constant(x) for x in _operands(value))
+
+
+def _library(prims: dict) -> tvm.runtime.Module:
+    """The PrimFuncs ``prims`` (by name) built for the host CPU in one module, each under its
+    name, without TIR builders' ``pragma_scope`` markers (LLVM warns about each)."""
+    named = {name: prim.without_attr("target").with_attr("global_symbol", name)
+             for name, prim in prims.items()}  # fmt: skip
+    return tvm.tirx.build(WithoutSeqScopes()(IRModule(named)), target="llvm")
