@@ -140,12 +140,18 @@ def _calls_sgemm(script: str) -> bool:
     return "R.call_tir(cls.sgemm" in script and blas.SGEMM in script
 
 
+@pytest.mark.parametrize("short_k", [False, True])
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product((False, True), repeat=2)))
-def test_summed_batch_of_products_is_one_call(trans_a, trans_b):
+def test_summed_batch_of_products_is_one_call(trans_a, trans_b, short_k, monkeypatch):
     """``collapse_sum_to(matmul(a, b), (M, N))`` over 3-D operands whose ``k`` is not
     contiguous across the batch (a convolution's weight gradient, ``g[n] @ cols[n]^T``) is one
     call that accumulates the batch's products, transposes folded into its flags; where it is
-    contiguous (``a`` transposed, ``b`` not), one gemm over the stacked rows."""
+    contiguous (``a`` transposed, ``b`` not), one gemm over the stacked rows. With ``short_k``
+    (a ``k`` per batch under the threshold, a result over it), one gemm over ``k`` stacked
+    across the batch, the operands copied into that layout where needed."""
+    if short_k:  # thresholds scaled down to this test's sizes
+        monkeypatch.setattr(blas, "_STACK_K_BELOW", 41)
+        monkeypatch.setattr(blas, "_STACK_OUT_FROM", 24 * 36)
     batch, m, k, n = 5, 24, 40, 36
     a_shape = (batch, k, m) if trans_a else (batch, m, k)
     b_shape = (batch, n, k) if trans_b else (batch, k, n)
@@ -160,9 +166,10 @@ def test_summed_batch_of_products_is_one_call(trans_a, trans_b):
         bb.emit_func_output(out)
     mod = bb.get()
     script = blas.MatmulToBLAS(min_macs=0)(mod).script()
-    stacked = trans_a and not trans_b
+    stacked = short_k or (trans_a and not trans_b)
     assert ("cls.sgemm_sum" in script) != stacked and "collapse_sum_to" not in script
-    assert "permute_dims" not in script and "R.matmul" not in script
+    copies = script.count("R.permute_dims")  # an operand whose k is last: batch axis moved
+    assert copies == (short_k * ((not trans_a) + trans_b)) and "R.matmul" not in script
     rng = np.random.default_rng(3)
     av, bv = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
     vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
