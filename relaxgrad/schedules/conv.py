@@ -209,8 +209,12 @@ class _Rewriter(PyExprMutator):
         o, _, kh, kw = w_shape
         oh, ow = y_shape[2:]
         taps = c * kh * kw
-        cols = self._im2col(x, conv, "ncrspq", dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow), "im2col")
-        cols = op.reshape(cols, (n, taps, oh * ow))
+        if conv.pointwise(kh, kw):  # the image is its own im2col
+            cols = op.reshape(x, (n, taps, oh * ow))
+        else:
+            extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
+            cols = op.reshape(self._im2col(x, conv, "ncrspq", extents, "im2col"),
+                              (n, taps, oh * ow))  # fmt: skip
         y = op.matmul(op.reshape(w, (o, taps)), cols)  # (n, o, oh * ow)
         return op.reshape(y, y_shape)
 
@@ -226,8 +230,9 @@ class _Rewriter(PyExprMutator):
         if self.summed_batches:  # the forward's im2col, and sum_n g[n] @ cols[n]^T
             forward = conv.swapped()
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
-            cols = op.reshape(self._im2col(x, forward, "ncrspq", extents, "im2col"),
-                              (n, taps, oh * ow))  # fmt: skip
+            cols = x if forward.pointwise(kh, kw) else \
+                self._im2col(x, forward, "ncrspq", extents, "im2col")
+            cols = op.reshape(cols, (n, taps, oh * ow))
             products = op.matmul(op.reshape(g, (n, o, oh * ow)), op.permute_dims(cols, [0, 2, 1]))
             return op.reshape(op.collapse_sum_to(products, (o, taps)), dw_shape)
         extents = dict(c=c, p=kh, q=kw, n=n, r=oh, s=ow)
@@ -244,6 +249,8 @@ class _Rewriter(PyExprMutator):
         taps = c * kh * kw
         wt = op.permute_dims(op.reshape(w, (o, taps)), [1, 0])
         cols = self.builder_.emit(op.matmul(wt, op.reshape(g, (n, o, gh * gw))))  # (n, taps, ..)
+        if conv.pointwise(kh, kw) and [gh, gw] == [h, wd]:  # each tap is its own pixel
+            return op.reshape(cols, dx_shape)
         (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
 
         def col2im(data):
@@ -297,6 +304,11 @@ class _Params:
         self.dilation = tuple(int(v) for v in attrs.dilation)
         pad = [int(v) for v in attrs.padding]
         self.padding = tuple(pad * 4 if len(pad) == 1 else pad * 2 if len(pad) == 2 else pad)
+
+    def pointwise(self, kh: int, kw: int) -> bool:
+        """Whether a ``kh`` x ``kw`` kernel with these parameters reads each pixel at its own
+        output position (1x1, stride 1, no padding): im2col and col2im are reshapes."""
+        return (kh, kw) == (1, 1) and self.strides == (1, 1) and not any(self.padding)
 
     def swapped(self) -> _Params:
         """These parameters with strides and dilation exchanged: the forward convolution's,
