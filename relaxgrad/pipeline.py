@@ -49,6 +49,7 @@ from .schedules import (
     ScheduleCPU,
     ScheduleGPU,
     SerialVectorLoops,
+    ShareStatistics,
     blas,
     default_cpu_rules,
 )
@@ -286,7 +287,7 @@ def cpu_pipeline(
     """
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
-    before = [ConvToMatmul(summed), MatmulToBLAS(), MeanAsSum(),
+    before = [ConvToMatmul(summed), MatmulToBLAS(), ShareStatistics(), MeanAsSum(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
         schedule, before, [SerialVectorLoops(), FastMath(), WithoutSeqScopes()], [],

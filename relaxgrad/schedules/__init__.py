@@ -29,6 +29,7 @@ from .groups import FuseRowGroups, RowColumnLocal
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
 from .serial import SerialVectorLoops
+from .statistics import ShareStatistics
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "FuseRowReductions",
     "MatmulToBLAS",
     "MeanAsSum",
+    "ShareStatistics",
     "ParallelLoops",
     "RowColumnLocal",
     "RowLocal",

@@ -397,7 +397,9 @@ def _batch_norm_train(node, importer) -> relax.Expr:
     out = bb.emit(relax.TupleGetItem(normalized, 0))
     axes = [0, *range(2, len(shape))]
     count = int(np.prod([shape[a] for a in axes]))
-    mean = bb.emit(op.mean(x, axes))
+    # (the mean with its axes kept, as batch_norm's gradient computes it: one computation
+    # after relaxgrad.compile's ShareStatistics and common subexpressions)
+    mean = bb.emit(op.reshape(op.mean(x, axes, keepdims=True), [shape[1]]))
     var = bb.emit(op.variance(x, axes))
     rstd = bb.emit(op.rsqrt(var + relax.const(eps, dtype)))
     if not training:
