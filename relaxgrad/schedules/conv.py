@@ -13,6 +13,15 @@ and a plain ``R.matmul``, which the matmul schedule or BLAS then runs:
 - the data gradient, ``conv2d_transpose`` (``NCHW``, ``IOHW``):
   ``cols[n] = W^T (C*KH*KW, O) @ g[n] (O, H*W)``, then col2im sums the ``KH*KW`` taps.
 
+Where images are small (fewer than ``batch_columns_below`` output pixels, with BLAS: the 7x7
+stage of a ResNet), each per-image product is a narrow matmul (49 columns) that OpenBLAS runs
+at two thirds of its speed; the batch then goes into the columns of one matmul per convolution:
+``y^T (O, N*OH*OW) = W @ cols`` with im2col laid out ``(C*KH*KW, N*OH*OW)``,
+``dw = g^T @ cols^T`` and ``cols = W^T @ g^T``, ``g^T`` being ``g`` with its batch and channel
+axes swapped (one copy, shared by both gradients), and ``y`` swapped back (a 1x1 convolution's
+im2col is such a swap of ``x``). A 1x1 convolution with stride 1 and no padding otherwise needs
+no im2col or col2im at all (reshapes).
+
 Other convolutions (grouped, 1-D/3-D, other layouts) are left to legalization. The same pass
 rewrites the gradient of a max pooling whose windows tile the input (``max_pool2d_backward``
 with stride = window, as in a CNN's 2x2 pools): each window's argmax once, then one gather,
@@ -46,18 +55,30 @@ class ConvToMatmul:
     layout, which :class:`~.blas.MatmulToBLAS` runs as one accumulating call, instead of one
     matmul over a transposed im2col and a transposed ``g`` (two more copies)."""
 
-    def __init__(self, summed_batches: bool | None = None):
+    def __init__(self, summed_batches: bool | None = None, batch_columns_below: int | None = None):
         self.summed_batches = blas.available() if summed_batches is None else summed_batches
+        self.batch_columns_below = (
+            (BATCH_COLUMNS_BELOW if self.summed_batches else 0)
+            if batch_columns_below is None
+            else batch_columns_below
+        )
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return rewrite_functions(_Rewriter(mod, self.summed_batches), mod)
+        rewriter = _Rewriter(mod, self.summed_batches, self.batch_columns_below)
+        return rewrite_functions(rewriter, mod)
+
+
+BATCH_COLUMNS_BELOW = 128
+"""With BLAS, a convolution whose images have fewer output pixels than this (ResNet-50's 7x7
+stage) runs its three matmuls with the batch in the columns (see :class:`ConvToMatmul`)."""
 
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, summed_batches: bool):
+    def __init__(self, mod: IRModule, summed_batches: bool, batch_columns_below: int):
         super().__init__(mod)
         self.summed_batches = summed_batches
+        self.batch_columns_below = batch_columns_below
         self.conv2d = Op.get("relax.nn.conv2d")
         self.conv2d_transpose = Op.get("relax.nn.conv2d_transpose")
         self.max_pool_backward = Op.get("relax.grad.max_pool2d_backward")
@@ -204,11 +225,31 @@ class _Rewriter(PyExprMutator):
 
         return self._emit_te(im2col, [x], name)
 
+    def _batch_columns(self, x, conv: _Params, x_shape, kh: int, kw: int, oh: int, ow: int):
+        """The im2col of ``x`` with the batch in its columns: ``(C*KH*KW, N*OH*OW)``."""
+        n, c, _, _ = x_shape
+        if conv.pointwise(kh, kw):
+            cols = op.permute_dims(x, [1, 0, 2, 3])
+        else:
+            extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
+            cols = self._im2col(x, conv, "crsnpq", extents, "im2col")
+        return op.reshape(cols, (c * kh * kw, n * oh * ow))
+
+    @staticmethod
+    def _batch_rows(g, g_shape):
+        """``g (N, O, OH, OW)`` as ``(O, N*OH*OW)``."""
+        n, o, gh, gw = g_shape
+        return op.reshape(op.permute_dims(g, [1, 0, 2, 3]), (o, n * gh * gw))
+
     def _forward(self, x, w, conv: _Params, x_shape, w_shape, y_shape) -> relax.Expr:
         n, c, _, _ = x_shape
         o, _, kh, kw = w_shape
         oh, ow = y_shape[2:]
         taps = c * kh * kw
+        if oh * ow < self.batch_columns_below:  # y^T (O, N*OH*OW) = W @ cols, one matmul
+            cols = self._batch_columns(x, conv, x_shape, kh, kw, oh, ow)
+            y = op.reshape(op.matmul(op.reshape(w, (o, taps)), cols), (o, n, oh, ow))
+            return op.permute_dims(y, [1, 0, 2, 3])
         if conv.pointwise(kh, kw):  # the image is its own im2col
             cols = op.reshape(x, (n, taps, oh * ow))
         else:
@@ -227,6 +268,10 @@ class _Rewriter(PyExprMutator):
         _, o, oh, ow = g_shape
         kh, kw = dw_shape[2:]
         taps = c * kh * kw
+        if oh * ow < self.batch_columns_below:  # the forward's columns: g^T @ cols^T
+            cols = self._batch_columns(x, conv.swapped(), x_shape, kh, kw, oh, ow)
+            dw = op.matmul(self._batch_rows(g, g_shape), op.permute_dims(cols))
+            return op.reshape(dw, dw_shape)
         if self.summed_batches:  # the forward's im2col, and sum_n g[n] @ cols[n]^T
             forward = conv.swapped()
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
@@ -248,8 +293,12 @@ class _Rewriter(PyExprMutator):
         h, wd = dx_shape[2:]
         taps = c * kh * kw
         wt = op.permute_dims(op.reshape(w, (o, taps)), [1, 0])
-        cols = self.builder_.emit(op.matmul(wt, op.reshape(g, (n, o, gh * gw))))  # (n, taps, ..)
+        stacked = gh * gw < self.batch_columns_below  # cols (taps, n * ..), else (n, taps, ..)
+        g2 = self._batch_rows(g, g_shape) if stacked else op.reshape(g, (n, o, gh * gw))
+        cols = self.builder_.emit(op.matmul(wt, g2))
         if conv.pointwise(kh, kw) and [gh, gw] == [h, wd]:  # each tap is its own pixel
+            if stacked:
+                return op.permute_dims(op.reshape(cols, (c, n, h, wd)), [1, 0, 2, 3])
             return op.reshape(cols, dx_shape)
         (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
 
@@ -266,7 +315,8 @@ class _Rewriter(PyExprMutator):
                 )  # fmt: skip
                 tap = (ci * kh + ky) * kw + kx
                 row, col = (tirx.max(tirx.min(v, e - 1), 0) for v, e in ((oy, gh), (ox, gw)))
-                read = data[b, tap, row * gw + col]  # in bounds: a select, not a branch
+                pixel = row * gw + col  # in bounds: a select, not a branch
+                read = data[tap, b * gh * gw + pixel] if stacked else data[b, tap, pixel]
                 return te.sum(tirx.Select(inside, read, tirx.const(0, data.dtype)), axis=[ky, kx])
 
             return te.compute((n, c, h, wd), value, name="col2im")

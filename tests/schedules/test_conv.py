@@ -57,9 +57,13 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs):
     inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
     want = _run(tvm.compile(mod, "llvm"), inputs)
     builds = [relaxgrad.compile(mod)]
+    # the batch in the matmuls' columns (with BLAS, for outputs under 128 pixels per image)
+    batch_columns = ConvToMatmul(summed_batches=True, batch_columns_below=1 << 30)(mod)
+    assert "collapse_sum_to" not in batch_columns.script()
+    builds.append(relaxgrad.compile(batch_columns))
     pointwise = w_shape[2:] == (1, 1) and not conv_attrs
     for summed, funcs in ((True, {"im2col", "col2im"}), (False, {"im2col", "im2col_t", "col2im"})):
-        rewritten = ConvToMatmul(summed_batches=summed)(mod)
+        rewritten = ConvToMatmul(summed_batches=summed, batch_columns_below=0)(mod)
         names = {gv.name_hint for gv in rewritten.get_global_vars()}
         if pointwise:  # reshapes only (the transposed weight gradient's im2col_t moves axes)
             assert not names & {"im2col", "col2im"}
