@@ -69,6 +69,7 @@ class ConvToMatmul:
 
 
 BATCH_COLUMNS_BELOW = 128
+_COLUMNS_MIN_MACS = 1 << 24
 """With BLAS, a convolution whose images have fewer output pixels than this (ResNet-50's 7x7
 stage) runs its three matmuls with the batch in the columns (see :class:`ConvToMatmul`)."""
 
@@ -225,6 +226,12 @@ class _Rewriter(PyExprMutator):
 
         return self._emit_te(im2col, [x], name)
 
+    def _in_columns(self, n: int, o: int, taps: int, pixels: int) -> bool:
+        """Whether a convolution's matmuls of ``n`` images of ``pixels`` output pixels, ``o``
+        channels out and ``taps`` in take the batch in their columns: small images, in
+        products large enough for BLAS (below it, TVM's own matmuls run either form alike)."""
+        return pixels < self.batch_columns_below and n * o * taps * pixels >= _COLUMNS_MIN_MACS
+
     def _batch_columns(self, x, conv: _Params, x_shape, kh: int, kw: int, oh: int, ow: int):
         """The im2col of ``x`` with the batch in its columns: ``(C*KH*KW, N*OH*OW)``."""
         n, c, _, _ = x_shape
@@ -246,7 +253,7 @@ class _Rewriter(PyExprMutator):
         o, _, kh, kw = w_shape
         oh, ow = y_shape[2:]
         taps = c * kh * kw
-        if oh * ow < self.batch_columns_below:  # y^T (O, N*OH*OW) = W @ cols, one matmul
+        if self._in_columns(n, o, taps, oh * ow):  # y^T (O, N*OH*OW) = W @ cols, one matmul
             cols = self._batch_columns(x, conv, x_shape, kh, kw, oh, ow)
             y = op.reshape(op.matmul(op.reshape(w, (o, taps)), cols), (o, n, oh, ow))
             return op.permute_dims(y, [1, 0, 2, 3])
@@ -268,7 +275,7 @@ class _Rewriter(PyExprMutator):
         _, o, oh, ow = g_shape
         kh, kw = dw_shape[2:]
         taps = c * kh * kw
-        if oh * ow < self.batch_columns_below:  # the forward's columns: g^T @ cols^T
+        if self._in_columns(n, o, taps, oh * ow):  # the forward's columns: g^T @ cols^T
             cols = self._batch_columns(x, conv.swapped(), x_shape, kh, kw, oh, ow)
             dw = op.matmul(self._batch_rows(g, g_shape), op.permute_dims(cols))
             return op.reshape(dw, dw_shape)
@@ -293,7 +300,7 @@ class _Rewriter(PyExprMutator):
         h, wd = dx_shape[2:]
         taps = c * kh * kw
         wt = op.permute_dims(op.reshape(w, (o, taps)), [1, 0])
-        stacked = gh * gw < self.batch_columns_below  # cols (taps, n * ..), else (n, taps, ..)
+        stacked = self._in_columns(n, o, taps, gh * gw)  # cols (taps, n * ..), else (n, taps, ..)
         g2 = self._batch_rows(g, g_shape) if stacked else op.reshape(g, (n, o, gh * gw))
         cols = self.builder_.emit(op.matmul(wt, g2))
         if conv.pointwise(kh, kw) and [gh, gw] == [h, wd]:  # each tap is its own pixel
