@@ -19,6 +19,7 @@ from tvm.relax.op import (
     mean,
     one_hot,
     permute_dims,
+    repeat,
     reshape,
     rsqrt,
     squeeze,
@@ -40,7 +41,6 @@ from .. import _ty
 from ..errors import GradientError
 from ._utils import const, count, fit_shape, relayout, scalar, static_dims
 from .grad import _pool_layout, _windows
-from .index import _spread
 from .registry import register_gradient
 
 
@@ -279,38 +279,59 @@ def _pool_extent(attrs, ins, out_dims, op_name: str):
     return extents
 
 
-def _unwindows(parts, attrs, ins, out_dims, op_name: str):
-    """The transpose of ``grad._windows``: each of ``parts`` (one per window offset, in
-    row-major order, shaped like the pooled output) added at the positions of ``x`` that its
-    offset reads (spread by the strides, padded to the offset), the padding cropped."""
-    extents = _pool_extent(attrs, ins, out_dims, op_name)
-    total = None
-    for index, part in enumerate(parts):
-        offsets = divmod(index, extents[1][1])
-        dims, widths = list(out_dims), [0] * (2 * len(out_dims))
-        for offset, (axis, _, step, _, _, padded) in zip(offsets, extents):
-            if step > 1 and out_dims[axis] > 1:
-                part = _spread(part, axis, dims, out_dims[axis], step)
-                dims[axis] = (out_dims[axis] - 1) * step + 1
-            widths[2 * axis], widths[2 * axis + 1] = offset, padded - offset - dims[axis]
-        part = pad(part, widths) if any(widths) else part
-        total = part if total is None else total + part
-    axes = [e[0] for e in extents]
-    begin = [e[3] for e in extents]
-    return strided_slice(total, axes, begin, [b + ins[a] for a, b in zip(axes, begin)])
+def _window_of(t, windows: list[int], axis: int, step: int, j: int, before: int, length: int,
+               fill: float):  # fmt: skip
+    """``t`` (of dims ``windows``: one per window along ``axis``) read at each input position
+    ``p`` of ``length``: the value of its ``j``-th window from the last one holding ``p``,
+    window ``(p + before) // step - j``, ``fill`` where there is none (``t`` repeated ``step``
+    times along ``axis`` and shifted: injective ops only)."""
+    count = windows[axis]
+    repeated = repeat(t, step, axis=axis)  # index i holds window i // step
+    start = before - j * step  # p reads index p + start
+    low, high = max(0, -start), max(0, length + start - count * step)
+    if low or high:
+        widths = [0] * (2 * len(windows))
+        widths[2 * axis], widths[2 * axis + 1] = low, high
+        repeated = pad(repeated, widths, "constant", fill)
+    return strided_slice(repeated, [axis], [start + low], [start + low + length])
 
 
 def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
     """The VJP of max_pool2d for overlapping windows (TVM 0.27's max_pool2d_backward returns
     garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking: ``argmax``
-    over the window offsets stacked in order), scatter-added back to the positions of ``x``.
+    over the window offsets stacked in order), added at the positions of ``x``.
+
     The argmax is one reduction that later kernels read, not a chain of comparisons each
-    inlined into the next (a 3x3 window made that a 2**9-fold expression)."""
+    inlined into the next (a 3x3 window made that a 2**9-fold expression). The sum is a
+    gather: each position of ``x`` lies in at most ``ceil(size / stride)`` windows per axis,
+    and from window ``(p + before) // stride - j`` it is offset ``(p + before) % stride + j *
+    stride``; it adds the ``g`` of those windows whose argmax is its offset (four windows for
+    a 3x3 window of stride 2), instead of scattering each of the nine offsets' parts with
+    zeros over the whole input."""
     dtype = _ty.dtype_of(x)
     values = _windows(x, attrs, ins, out_dims, float(np.finfo(dtype).min), op_name)
-    first = argmax(stack(values, axis=0), axis=0)
-    parts = [grad * astype(equal(first, const(k, "int64")), dtype) for k in range(len(values))]
-    return _unwindows(parts, attrs, ins, out_dims, op_name)
+    first = argmax(stack(values, axis=0), axis=0)  # the offset, ky * kx_size + kx
+    (ay, ky_size, sy, top, _, _), (ax, kx_size, sx, left, _, _) = _pool_extent(
+        attrs, ins, out_dims, op_name
+    )
+    shape = [1] * len(ins)
+    shape[ay], shape[ax] = ins[ay], ins[ax]
+    total = None
+    for jy in range(-(-ky_size // sy)):
+        offset_y = (np.arange(ins[ay]) + top) % sy + jy * sy
+        rows_f = _window_of(first, out_dims, ay, sy, jy, top, ins[ay], -1)
+        rows_g = _window_of(grad, out_dims, ay, sy, jy, top, ins[ay], 0)
+        for jx in range(-(-kx_size // sx)):
+            offset_x = (np.arange(ins[ax]) + left) % sx + jx * sx
+            # each position's offset in this window, -1 where it is outside the window
+            code = np.where((offset_y[:, None] < ky_size) & (offset_x[None, :] < kx_size),
+                            offset_y[:, None] * kx_size + offset_x[None, :], -1)  # fmt: skip
+            hit = equal(_window_of(rows_f, out_dims, ax, sx, jx, left, ins[ax], -1),
+                        relax.const(code.astype("int64").reshape(shape)))  # fmt: skip
+            g = _window_of(rows_g, out_dims, ax, sx, jx, left, ins[ax], 0)
+            term = where(hit, g, const(0, dtype))
+            total = term if total is None else total + term
+    return total
 
 
 def _avg_pool2d_ceil_include_pad_grad(grad, x, attrs, op_name: str):
