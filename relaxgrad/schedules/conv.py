@@ -310,21 +310,36 @@ class _Rewriter(PyExprMutator):
         (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
 
         def col2im(data):
-            ky = te.reduce_axis((0, kh), "ky")
-            kx = te.reduce_axis((0, kw), "kx")
+            # Per axis, the taps that reach a position: with dilation 1, those of its residue
+            # modulo the stride, ceil(size / stride) of them (4 of a 3x3 kernel's 9 at stride
+            # 2), found by arithmetic; else every tap, checked.
+            reach = [(kh, sh, dh, top, gh), (kw, sw, dw, left, gw)]
+            axes = [te.reduce_axis((0, -(-k // s) if d == 1 else k), name)
+                    for (k, s, d, _, _), name in zip(reach, ("jy", "jx"))]  # fmt: skip
+
+            def tap(j, position, size, stride, dilation, before, extent):
+                """(tap, window, conditions) of reduction index ``j`` at ``position``."""
+                if dilation == 1:
+                    k = tirx.floormod(position + before, stride) + j * stride if stride > 1 else j
+                    t = position + before - k
+                    window = tirx.floordiv(t, stride) if stride > 1 else t
+                    conds = [k < size, t >= 0, window < extent]
+                else:
+                    k, t = j, position + before - j * dilation
+                    window = tirx.floordiv(t, stride)
+                    conds = [t >= 0, tirx.floormod(t, stride) == 0, window < extent]
+                clamp = lambda v, e: tirx.max(tirx.min(v, e - 1), 0)  # noqa: E731
+                return clamp(k, size), clamp(window, extent), conds
 
             def value(b, ci, y, x):
-                ty, tx = y + top - ky * dh, x + left - kx * dw
-                oy, ox = tirx.floordiv(ty, sh), tirx.floordiv(tx, sw)
-                inside = tirx.all(
-                    ty >= 0, tx >= 0, tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0,
-                    oy < gh, ox < gw,
-                )  # fmt: skip
-                tap = (ci * kh + ky) * kw + kx
-                row, col = (tirx.max(tirx.min(v, e - 1), 0) for v, e in ((oy, gh), (ox, gw)))
+                ky, row, inside_y = tap(axes[0], y, *reach[0])
+                kx, col, inside_x = tap(axes[1], x, *reach[1])
+                inside = tirx.all(*inside_y, *inside_x)
+                tap_index = (ci * kh + ky) * kw + kx
                 pixel = row * gw + col  # in bounds: a select, not a branch
-                read = data[tap, b * gh * gw + pixel] if stacked else data[b, tap, pixel]
-                return te.sum(tirx.Select(inside, read, tirx.const(0, data.dtype)), axis=[ky, kx])
+                read = data[tap_index, b * gh * gw + pixel] if stacked else \
+                    data[b, tap_index, pixel]
+                return te.sum(tirx.Select(inside, read, tirx.const(0, data.dtype)), axis=axes)
 
             return te.compute((n, c, h, wd), value, name="col2im")
 
