@@ -65,7 +65,8 @@ class ConvToMatmul:
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         rewriter = _Rewriter(mod, self.summed_batches, self.batch_columns_below)
-        return rewrite_functions(rewriter, mod)
+        # (without the full weight gradients of the cropped ones)
+        return relax.transform.DeadCodeElimination()(rewrite_functions(rewriter, mod))
 
 
 BATCH_COLUMNS_BELOW = 128
@@ -86,6 +87,7 @@ class _Rewriter(PyExprMutator):
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         self.masks, self.masked = _relu_masks(func, self.max_pool_backward), {}
+        self.values = bound_values(func)
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -106,6 +108,9 @@ class _Rewriter(PyExprMutator):
         return super().visit_var_binding_(binding)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
+        cropped = self._cropped_weight_grad(call)
+        if cropped is not None:
+            return cropped
         call = super().visit_call_(call)
         if call.op.same_as(self.max_pool_backward):
             result = self._max_pool_backward(call)
@@ -130,6 +135,33 @@ class _Rewriter(PyExprMutator):
         if call.op.same_as(self.conv2d_transpose) and layouts == ("NCHW", "IOHW", "NCHW"):
             return self._data_grad(x, w, conv, *shapes)
         return call
+
+    def _cropped_weight_grad(self, call: relax.Call) -> relax.Expr | None:
+        """A weight gradient cropped to its kernel, ``strided_slice`` from 0 with stride 1 of
+        a ``CNHW`` convolution with more taps than the kernel (a strided convolution's: the
+        rule's convolution reaches past the kernel, a 1x1 kernel of stride 2 as a 2x2 one),
+        computed for the kernel's taps only (the full one is left unread)."""
+        source = call.args[0] if _is(call, Op.get("relax.strided_slice")) else None
+        conv_call = self.values.get(source) if isinstance(source, relax.Var) else None
+        if not (_is(conv_call, self.conv2d) and int(conv_call.attrs.groups) == 1):
+            return None
+        attrs = conv_call.attrs
+        if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("CNHW", "IOHW", "CNHW"):
+            return None
+        axes, begin = (_ints(arg) for arg in call.args[1:3])
+        strides = _ints(call.args[4]) if len(call.args) > 4 else []
+        x, g = (self.visit_expr(arg) for arg in conv_call.args)
+        shapes = [static_shape(t) for t in (x, g, source, call)]
+        if (
+            any(v is None or len(v) != 4 for v in (axes, begin, *shapes))
+            or sorted(axes) != [0, 1, 2, 3]
+            or any(begin)
+            or any(v != 1 for v in strides or [])
+            or shapes[3][:2] != shapes[2][:2]
+            or any(_ty.dtype_of(t) != _ty.dtype_of(call) for t in (x, g))
+        ):
+            return None
+        return self._weight_grad(x, g, _Params(attrs), shapes[0], shapes[1], shapes[3])
 
     def _max_pool_backward(self, call: relax.Call, mask=None) -> relax.Expr | None:
         """``dx`` of a max pooling whose windows tile the input (NCHW, stride = window, no
@@ -388,6 +420,14 @@ class _Params:
         params = object.__new__(_Params)
         params.strides, params.dilation, params.padding = self.dilation, self.strides, self.padding
         return params
+
+
+def _ints(expr) -> list[int] | None:
+    """The values of a tuple of integer constants (an op's attribute argument), or None."""
+    if not isinstance(expr, relax.Tuple):
+        return None
+    values = [getattr(field, "value", None) for field in expr.fields]
+    return values if all(isinstance(v, int) for v in values) else None
 
 
 def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):

@@ -25,6 +25,7 @@ CASES = [
     ((2, 8, 5, 5), (6, 8, 1, 1), {}),  # 1x1: no im2col or col2im, the image is the columns
     ((4, 32, 12, 12), (64, 32, 1, 1), {}),  # ... with BLAS
     ((2, 8, 5, 5), (6, 8, 1, 1), dict(strides=2)),  # a 1x1 with stride: im2col subsamples
+    ((2, 8, 6, 6), (6, 8, 1, 1), dict(strides=2)),  # ... its weight gradient cropped (2x2)
 ]
 
 
@@ -67,7 +68,7 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs, monkeypatch):
     pointwise = w_shape[2:] == (1, 1) and not conv_attrs
     for summed, funcs in ((True, {"im2col", "col2im"}), (False, {"im2col", "im2col_t", "col2im"})):
         rewritten = ConvToMatmul(summed_batches=summed, batch_columns_below=0)(mod)
-        names = {gv.name_hint for gv in rewritten.get_global_vars()}
+        names = {gv.name_hint.rstrip("0123456789") for gv in rewritten.get_global_vars()}
         if pointwise:  # reshapes only (the transposed weight gradient's im2col_t moves axes)
             assert not names & {"im2col", "col2im"}
         else:
@@ -93,6 +94,25 @@ def test_weight_gradient_reads_the_forwards_im2col():
     assert calls.count("im2col") == 1 and "col2im" in calls
     assert re.findall(r"R\.call_tir\((\w+)", ConvToMatmul()(mod)["main_adjoint"].script()).count(
         "im2col") == 2  # fmt: skip
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((2, 4, 8, 8), (5, 4, 3, 3)),
+                                              ((2, 4, 8, 8), (5, 4, 1, 1))])  # fmt: skip
+def test_strided_weight_gradient_has_the_kernels_taps_only(x_shape, w_shape):
+    """The rule's weight gradient of a stride-2 convolution reaches past the kernel (4x4 for
+    3x3, 2x2 for 1x1) and is cropped; rewritten, it computes the kernel's taps only: one
+    im2col, the forward's (the values: the CASES above)."""
+    mod = _adjoint(x_shape, w_shape, dict(strides=2, padding=w_shape[2] // 2))
+    assert "R.strided_slice" in mod["main_adjoint"].script()  # the rule's crop
+    rewritten = ConvToMatmul(summed_batches=True, batch_columns_below=0)(mod)
+    script = rewritten["main_adjoint"].script()
+    assert "R.strided_slice" not in script and "R.nn.conv2d" not in script
+    names = [gv.name_hint for gv in rewritten.get_global_vars()]
+    if w_shape[2] == 3:
+        assert sorted(n for n in names if n.startswith("im2col")) == ["im2col"]
+        assert "(2, 4, 3, 3, 4, 4)" in rewritten["im2col"].script()
+    else:  # a 1x1 kernel: the forward's im2col subsamples x, and so does the gradient's
+        assert sum(n.startswith("im2col") for n in names) == 1
 
 
 def test_grouped_conv_is_left_to_legalization():
