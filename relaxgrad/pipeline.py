@@ -265,8 +265,10 @@ def cpu_pipeline(
     target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
 ) -> tvm.transform.Pass:
     """The Relax pipeline for an ``llvm`` target: :class:`ConvToMatmul`,
-    :class:`MatmulToBLAS`, :class:`MeanAsSum` and ``EliminateCommonSubexpr`` (a convolution's
-    weight gradient and its forward compute the same im2col: once) before legalization, then
+    :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum` and
+    ``EliminateCommonSubexpr`` (a batch norm's statistics in its forward and gradient, and a
+    convolution's im2col in its forward and weight gradient: computed once) before
+    legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and

@@ -5,7 +5,8 @@
 one mechanism: a rule that raises or whose schedule fails verification falls through to the
 next, and the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds
 rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls
-(:class:`MatmulToBLAS`) and means into sums that fuse with the products they reduce
+(:class:`MatmulToBLAS`), batch statistics into means of the gradient's form
+(:class:`ShareStatistics`) and means into sums that fuse with the products they reduce
 (:class:`MeanAsSum`); before fusion, cheap elementwise producers read twice are copied for each
 reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
 (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
