@@ -419,15 +419,21 @@ class MatmulToBLAS:
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         if not available():
             return mod
-        mod = rewrite_functions(_TransposedProducts(mod), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # products it replaced
-        mod = rewrite_functions(_ConcatenatedProducts(mod), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # the products it replaced
-        mod = rewrite_functions(_MergedHeads(mod, self.min_macs), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # the heads' products and transposes
+        dead_code = relax.transform.DeadCodeElimination()
+        mod = dead_code(rewrite_functions(_TransposedProducts(mod), mod))  # products it replaced
+        # (the module has no dead code from here on: a rewrite that replaces nothing leaves
+        # none, and eliminating it again would only cost a walk of every function)
+        concatenated = _ConcatenatedProducts(mod)
+        mod = rewrite_functions(concatenated, mod)
+        if concatenated.groups:
+            mod = dead_code(mod)  # the products it replaced
+        heads = _MergedHeads(mod, self.min_macs)
+        mod = rewrite_functions(heads, mod)
+        if heads.merged:
+            mod = dead_code(mod)  # the heads' products and transposes
         mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
-        return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
+        return dead_code(mod)  # the folded permute_dims
 
 
 @mutator
@@ -710,18 +716,16 @@ class _ConcatenatedProducts(PyExprMutator):
         self.dropped: set = set()
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        inside: dict = {}
         blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
-        for block in blocks:
-            for binding in block.bindings:
-                for var, count in read_counts(binding.value).items():
-                    inside[var] = inside.get(var, 0) + count
+        inside = read_counts(*(binding.value for block in blocks for binding in block.bindings))
         outside = {v: n - inside.get(v, 0) for v, n in read_counts(func).items()}
-        for block in blocks:
-            if isinstance(block, relax.DataflowBlock):
-                for group in _Block(block, outside).groups():
-                    self.groups[group.last] = group
-                    self.dropped |= group.dropped
+        found = [group for block in blocks if isinstance(block, relax.DataflowBlock)
+                 for group in _Block(block, outside).groups()]  # fmt: skip
+        if not found:
+            return func  # nothing to replace: no need to rebuild it binding by binding
+        for group in found:
+            self.groups[group.last] = group
+            self.dropped |= group.dropped
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -780,18 +784,24 @@ class _MergedHeads(PyExprMutator):
         self.values: dict = {}
         self.uses: dict = {}
         self.claimed: set = set()  # heads merged by a concatenation of them
+        self.merged = 0  # the merges replaced, in all functions
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         self.uses, self.values, self.claimed = read_counts(func), bound_values(func), set()
-        for value in self.values.values():
-            if self._parts(value) is not None and _is(value, Op.get("relax.concat")):
+        found = [value for value in self.values.values() if self._parts(value) is not None]
+        for value in found:
+            if _is(value, Op.get("relax.concat")):
                 self.claimed |= set(value.args[0].fields)
+        nested = any(isinstance(v, relax.If | relax.Function) for v in self.values.values())
+        if not found and not nested:
+            return func  # nothing to merge: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         parts = None if binding.var in self.claimed else self._parts(binding.value)
         if parts is None:
             return super().visit_var_binding_(binding)
+        self.merged += 1
         out_shape = static_shape(binding.var)
         shapes = [(static_shape(a), static_shape(b), ta, tb) for a, b, ta, tb in parts]
         gvar = self.builder_.add_func(heads_gemm_func(shapes, out_shape), "sgemm_heads")
