@@ -47,7 +47,15 @@ from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
 from .. import _ty
-from ._common import OPAQUE, bound_values, read_counts, rebind, rewrite_functions, static_shape
+from ._common import (
+    OPAQUE,
+    bound_values,
+    may_change,
+    read_counts,
+    rebind,
+    rewrite_functions,
+    static_shape,
+)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -444,20 +452,30 @@ class _Rewriter(PyExprMutator):
         self.matmul = Op.get("relax.matmul")
         self.funcs: dict[tuple, relax.GlobalVar] = {}
 
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        if not may_change(func, lambda value: self._out_shape(value) is not None):
+            return func
+        return super().visit_function_(func)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        out_shape = self._out_shape(call)
+        return call if out_shape is None else self._gemm(*call.args, out_shape)
+
+    def _out_shape(self, call) -> list[int] | None:
+        """The result's shape if ``call`` is a matmul to rewrite, else None."""
         if not _is(call, self.matmul):
-            return call
+            return None
         shapes = [static_shape(t) for t in (*call.args, call)]
         if any(s is None or len(s) < 2 for s in shapes) or not _float32(*call.args, call):
-            return call
+            return None
         a_shape, b_shape, out_shape = shapes
         batch = out_shape[:-2]
         if any(len(s) > 2 and s[:-2] != batch for s in (a_shape, b_shape)):
-            return call  # a broadcast batch: left to TVM
+            return None  # a broadcast batch: left to TVM
         if math.prod(out_shape) * a_shape[-1] < self.min_macs:
-            return call
-        return self._gemm(*call.args, out_shape)
+            return None
+        return out_shape
 
     def _gemm(self, a: relax.Expr, b: relax.Expr, out_shape: list[int]) -> relax.Expr:
         (a, trans_a), (b, trans_b) = _untransposed(self, a), _untransposed(self, b)
