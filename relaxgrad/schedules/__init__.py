@@ -6,15 +6,16 @@ one mechanism: a rule that raises or whose schedule fails verification falls thr
 next, and the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds
 rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls
 (:class:`MatmulToBLAS`) and means into sums that fuse with the products they reduce
-(:class:`MeanAsSum`); before fusion, cheap elementwise producers read twice are copied for each
-reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
-(:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
-that computes its input for other readers too (:class:`FuseColumnSums`), and kernels over
-the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`); after
-scheduling, vectorized loops over ``sinh`` and ``cosh`` or blocks of several results run
-serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the first, builds the second
-wrong) and float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
-(:class:`FastMath`).
+(:class:`MeanAsSum`), then legalize with each operator's legalization reused for calls of the
+same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers read twice are
+copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with
+their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the
+elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
+kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by
+:class:`RowColumnLocal`); after scheduling, vectorized loops over ``sinh`` and ``cosh`` or
+blocks of several results run serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the
+first, builds the second wrong) and float32 ``exp``, ``tanh`` and ``sigmoid`` become
+polynomials LLVM vectorizes (:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS
@@ -26,6 +27,7 @@ from .fast_math import FastMath
 from .fold import FoldConstantCalls
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
+from .legalize import LegalizeOpsOnce
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
 from .serial import SerialVectorLoops
@@ -41,6 +43,7 @@ __all__ = [
     "FuseColumnSums",
     "FuseRowGroups",
     "FuseRowReductions",
+    "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
     "ParallelLoops",
