@@ -44,6 +44,7 @@ from .schedules import (
     FuseColumnSums,
     FuseRowGroups,
     FuseRowReductions,
+    LegalizeOpsOnce,
     MatmulToBLAS,
     MeanAsSum,
     ScheduleCPU,
@@ -283,6 +284,10 @@ def cpu_pipeline(
     schedule, their rules) to apply; below it their thread handoffs cost more than they save
     (``bench/fuzz.py --compiled --min-rows 1`` exercises them on small random programs).
 
+    Legalization is :class:`LegalizeOpsOnce`: ``LegalizeOps`` with each operator's
+    legalization reused for the later calls of the same kind (same PrimFuncs, half the time on
+    a transformer's adjoint).
+
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
     functions compute the same values; a fused matmul keeps its epilogue in the matmul's tiles.
@@ -301,6 +306,7 @@ def cpu_pipeline(
         ],
         after_fusing=[FuseColumnSums(min_rows)],
         after_fusing_tir=[FuseRowGroups(min_rows)],
+        legalize=LegalizeOpsOnce(),
     )  # fmt: skip
 
 
@@ -313,13 +319,15 @@ def _pipeline(
     before_fusing: list[tvm.transform.Pass] = (),
     after_fusing: list[tvm.transform.Pass] = (),
     after_fusing_tir: list[tvm.transform.Pass] = (),
+    legalize: tvm.transform.Pass | None = None,
 ) -> tvm.transform.Pass:
-    """Legalize, fuse, ``schedule``, then TVM's lowering and VM passes."""
+    """Legalize (``legalize``, default TVM's ``LegalizeOps``), fuse, ``schedule``, then TVM's
+    lowering and VM passes."""
     passes = [
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
         *before_legalizing,
-        relax.transform.LegalizeOps(),
+        legalize if legalize is not None else relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings
         *before_fusing,

@@ -7,15 +7,16 @@ next, and the choice is recorded in ``choices`` / ``errors``. Before legalizatio
 rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls
 (:class:`MatmulToBLAS`), batch statistics into means of the gradient's form
 (:class:`ShareStatistics`) and means into sums that fuse with the products they reduce
-(:class:`MeanAsSum`); before fusion, cheap elementwise producers read twice are copied for each
-reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with their readers
-(:class:`FuseRowReductions`); after fusion, a sum over the rows joins the elementwise kernel
-that computes its input for other readers too (:class:`FuseColumnSums`), and kernels over
-the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`); after
-scheduling, vectorized loops over ``sinh`` and ``cosh`` or blocks of several results run
-serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the first, builds the second
-wrong) and float32 ``exp``, ``tanh`` and ``sigmoid`` become polynomials LLVM vectorizes
-(:class:`FastMath`).
+(:class:`MeanAsSum`), then legalize with each operator's legalization reused for calls of the
+same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers read twice are
+copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with
+their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the
+elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
+kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by
+:class:`RowColumnLocal`); after scheduling, vectorized loops over ``sinh`` and ``cosh`` or
+blocks of several results run serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the
+first, builds the second wrong) and float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become
+polynomials LLVM vectorizes (:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS
@@ -27,6 +28,7 @@ from .fast_math import FastMath
 from .fold import FoldConstantCalls
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
+from .legalize import LegalizeOpsOnce
 from .means import MeanAsSum
 from .rows import FuseRowReductions, RowLocal
 from .serial import SerialVectorLoops
@@ -43,6 +45,7 @@ __all__ = [
     "FuseColumnSums",
     "FuseRowGroups",
     "FuseRowReductions",
+    "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
     "ShareStatistics",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
@@ -43,6 +45,27 @@ def rewrite_functions(mutator, mod: IRModule) -> IRModule:
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     return mutator.builder_.get()
+
+
+def may_change(func: relax.Function, wanted: Callable[[relax.Expr], bool]) -> bool:
+    """Whether a rewrite of the values for which ``wanted`` holds may change ``func``: one of
+    its bindings' values is such, or ``func`` holds expressions this scan does not read (a
+    function or ``If`` inside, a result other than a var or a tuple of vars). A rewrite can
+    return a function for which it does not hold as it is, rather than rebuild it binding by
+    binding (a Python call per binding and per var, for nothing)."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        return True
+    result = body.body
+    fields = result.fields if isinstance(result, relax.Tuple) else [result]
+    if not all(isinstance(field, relax.Var) for field in fields):
+        return True
+    for block in body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.If | relax.Function | relax.SeqExpr) or wanted(value):
+                return True
+    return False
 
 
 def rebind(mutator, old: relax.Var, value: relax.Expr) -> None:
@@ -97,10 +120,12 @@ class _Reads(PyExprVisitor):
         self.visit_var_(var)
 
 
-def read_counts(expr: relax.Expr) -> dict:
-    """How many times each var is read in ``expr`` (a function: in its body)."""
+def read_counts(*exprs: relax.Expr) -> dict:
+    """How many times each var is read in ``exprs`` (a function: in its body), together (one
+    visitor for them all: making one costs about as much as visiting a small expr)."""
     reads = _Reads()
-    reads.visit_expr(expr)
+    for expr in exprs:
+        reads.visit_expr(expr)
     return reads.count
 
 

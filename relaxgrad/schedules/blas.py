@@ -47,7 +47,15 @@ from tvm.script import tirx as T
 from tvm.script.parser.core.entry import parse
 
 from .. import _ty
-from ._common import OPAQUE, bound_values, read_counts, rebind, rewrite_functions, static_shape
+from ._common import (
+    OPAQUE,
+    bound_values,
+    may_change,
+    read_counts,
+    rebind,
+    rewrite_functions,
+    static_shape,
+)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -419,15 +427,21 @@ class MatmulToBLAS:
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         if not available():
             return mod
-        mod = rewrite_functions(_TransposedProducts(mod), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # products it replaced
-        mod = rewrite_functions(_ConcatenatedProducts(mod), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # the products it replaced
-        mod = rewrite_functions(_MergedHeads(mod, self.min_macs), mod)
-        mod = relax.transform.DeadCodeElimination()(mod)  # the heads' products and transposes
+        dead_code = relax.transform.DeadCodeElimination()
+        mod = dead_code(rewrite_functions(_TransposedProducts(mod), mod))  # products it replaced
+        # (the module has no dead code from here on: a rewrite that replaces nothing leaves
+        # none, and eliminating it again would only cost a walk of every function)
+        concatenated = _ConcatenatedProducts(mod)
+        mod = rewrite_functions(concatenated, mod)
+        if concatenated.groups:
+            mod = dead_code(mod)  # the products it replaced
+        heads = _MergedHeads(mod, self.min_macs)
+        mod = rewrite_functions(heads, mod)
+        if heads.merged:
+            mod = dead_code(mod)  # the heads' products and transposes
         mod = rewrite_functions(_SummedProducts(mod, self.min_macs), mod)
         mod = rewrite_functions(_Rewriter(mod, self.min_macs), mod)
-        return relax.transform.DeadCodeElimination()(mod)  # the folded permute_dims
+        return dead_code(mod)  # the folded permute_dims
 
 
 @mutator
@@ -438,20 +452,30 @@ class _Rewriter(PyExprMutator):
         self.matmul = Op.get("relax.matmul")
         self.funcs: dict[tuple, relax.GlobalVar] = {}
 
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        if not may_change(func, lambda value: self._out_shape(value) is not None):
+            return func
+        return super().visit_function_(func)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
+        out_shape = self._out_shape(call)
+        return call if out_shape is None else self._gemm(*call.args, out_shape)
+
+    def _out_shape(self, call) -> list[int] | None:
+        """The result's shape if ``call`` is a matmul to rewrite, else None."""
         if not _is(call, self.matmul):
-            return call
+            return None
         shapes = [static_shape(t) for t in (*call.args, call)]
         if any(s is None or len(s) < 2 for s in shapes) or not _float32(*call.args, call):
-            return call
+            return None
         a_shape, b_shape, out_shape = shapes
         batch = out_shape[:-2]
         if any(len(s) > 2 and s[:-2] != batch for s in (a_shape, b_shape)):
-            return call  # a broadcast batch: left to TVM
+            return None  # a broadcast batch: left to TVM
         if math.prod(out_shape) * a_shape[-1] < self.min_macs:
-            return call
-        return self._gemm(*call.args, out_shape)
+            return None
+        return out_shape
 
     def _gemm(self, a: relax.Expr, b: relax.Expr, out_shape: list[int]) -> relax.Expr:
         (a, trans_a), (b, trans_b) = _untransposed(self, a), _untransposed(self, b)
@@ -710,18 +734,16 @@ class _ConcatenatedProducts(PyExprMutator):
         self.dropped: set = set()
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        inside: dict = {}
         blocks = func.body.blocks if isinstance(func.body, relax.SeqExpr) else []
-        for block in blocks:
-            for binding in block.bindings:
-                for var, count in read_counts(binding.value).items():
-                    inside[var] = inside.get(var, 0) + count
+        inside = read_counts(*(binding.value for block in blocks for binding in block.bindings))
         outside = {v: n - inside.get(v, 0) for v, n in read_counts(func).items()}
-        for block in blocks:
-            if isinstance(block, relax.DataflowBlock):
-                for group in _Block(block, outside).groups():
-                    self.groups[group.last] = group
-                    self.dropped |= group.dropped
+        found = [group for block in blocks if isinstance(block, relax.DataflowBlock)
+                 for group in _Block(block, outside).groups()]  # fmt: skip
+        if not found:
+            return func  # nothing to replace: no need to rebuild it binding by binding
+        for group in found:
+            self.groups[group.last] = group
+            self.dropped |= group.dropped
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -780,18 +802,24 @@ class _MergedHeads(PyExprMutator):
         self.values: dict = {}
         self.uses: dict = {}
         self.claimed: set = set()  # heads merged by a concatenation of them
+        self.merged = 0  # the merges replaced, in all functions
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         self.uses, self.values, self.claimed = read_counts(func), bound_values(func), set()
-        for value in self.values.values():
-            if self._parts(value) is not None and _is(value, Op.get("relax.concat")):
+        found = [value for value in self.values.values() if self._parts(value) is not None]
+        for value in found:
+            if _is(value, Op.get("relax.concat")):
                 self.claimed |= set(value.args[0].fields)
+        nested = any(isinstance(v, relax.If | relax.Function) for v in self.values.values())
+        if not found and not nested:
+            return func  # nothing to merge: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         parts = None if binding.var in self.claimed else self._parts(binding.value)
         if parts is None:
             return super().visit_var_binding_(binding)
+        self.merged += 1
         out_shape = static_shape(binding.var)
         shapes = [(static_shape(a), static_shape(b), ta, tb) for a, b, ta, tb in parts]
         gvar = self.builder_.add_func(heads_gemm_func(shapes, out_shape), "sgemm_heads")

@@ -80,6 +80,8 @@ class _Merger(PyExprMutator):
                     continue
                 if self._elementwise(values.get(g)):
                     self.sums[g] = (binding.var, binding.value)
+        if not self.sums:
+            return func  # nothing to merge: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:

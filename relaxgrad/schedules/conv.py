@@ -40,7 +40,14 @@ from tvm.target import Target
 
 from .. import _ty
 from . import blas
-from ._common import OPAQUE, bound_values, read_counts, rewrite_functions, static_shape
+from ._common import (
+    OPAQUE,
+    bound_values,
+    may_change,
+    read_counts,
+    rewrite_functions,
+    static_shape,
+)
 from .blas import _is
 from .cpu import _vector_lanes, _vectorize_unrolled
 
@@ -86,6 +93,9 @@ class _Rewriter(PyExprMutator):
         self.max_pool_backward = Op.get("relax.grad.max_pool2d_backward")
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
+        ops = (self.conv2d, self.conv2d_transpose, self.max_pool_backward)
+        if not may_change(func, lambda value: any(_is(value, op) for op in ops)):
+            return func  # (a relu mask goes with a max-pool gradient)
         self.masks, self.masked = _relu_masks(func, self.max_pool_backward), {}
         self.values = bound_values(func)
         return super().visit_function_(func)

@@ -42,8 +42,9 @@ class DuplicateCheapProducers:
         # has a reader more, which the next round gives a copy of its own (``c = x - mean``
         # read by the copies of ``c * rstd`` in a batch norm's gradient).
         todo = None  # the functions a round rewrites: all, then those the last one changed
+        facts: dict = {}  # what the rounds read of each binding and var (_Rewriter.facts)
         for _ in range(self.max_rounds):
-            rewriter, changed = _Rewriter(mod), set()
+            rewriter, changed = _Rewriter(mod, facts), set()
             for gvar, func in mod.functions_items():
                 if isinstance(func, relax.Function) and (todo is None or gvar in todo):
                     copies = rewriter.copies
@@ -73,6 +74,13 @@ def _pattern(patterns: dict, call) -> int | None:
     return patterns.get(call.args[0])
 
 
+def _operands(call: relax.Call) -> list:
+    """The operands of a ``call_tir``: the fields of its tuple (read as a list at once; item by
+    item, a Relax tuple asks for its fields again per item)."""
+    args = call.args[1]
+    return list(args.fields) if isinstance(args, relax.Tuple) else list(args)
+
+
 def _size(expr) -> int | None:
     shape = static_shape(expr)
     return None if shape is None else math.prod(shape)
@@ -80,9 +88,15 @@ def _size(expr) -> int | None:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule):
+    """One round. ``facts``: what :meth:`_cheap_producers` read of each binding and the size of
+    each var, kept over the rounds, which rebuild the functions they change with their other
+    bindings the same objects; keyed by handle (``hash``, where a dict of TVM objects compares
+    their Python wrappers' keys slowly), each with its object, so that no handle is reused."""
+
+    def __init__(self, mod: IRModule, facts: dict):
         super().__init__(mod)
         self.patterns = _patterns(mod)
+        self.facts = facts
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
         self.copies = 0
@@ -98,49 +112,55 @@ class _Rewriter(PyExprMutator):
             return {}
         bindings = [b for block in func.body.blocks
                     if isinstance(block, relax.DataflowBlock) for b in block.bindings]  # fmt: skip
-        readers: dict = {}
-        for b in bindings:
-            value = b.value
-            if _pattern(self.patterns, value) is not None:
-                for arg in set(value.args[1]):  # a reader of one var twice (c * c) once
-                    readers.setdefault(arg, []).append(b)
+        facts = [self._facts(b) for b in bindings]
+        readers: dict = {}  # each var's (by handle) call_tir readers' patterns
         read_anywhere: dict = {}  # the reads of each var by bindings (a call reads it once)
-        for b in bindings:
-            for var in relax.analysis.free_vars(b.value):
-                read_anywhere[var] = read_anywhere.get(var, 0) + 1
+        for _, _, pattern, args, free in facts:
+            if pattern is not None:
+                for arg in {hash(a) for a in args}:  # a reader of one var twice (c * c) once
+                    readers.setdefault(arg, []).append(pattern)
+            for key in free:
+                read_anywhere[key] = read_anywhere.get(key, 0) + 1
         for var in relax.analysis.free_vars(func.body.body):  # the function's result
-            read_anywhere[var] = read_anywhere.get(var, 0) + 1
-        cheap, known = {}, {}
-
-        def size_of(expr):  # each var's size once (static_shape is slow-ish in Python)
-            if expr not in known:
-                known[expr] = _size(expr)
-            return known[expr]
-
-        for b in bindings:
-            pattern = _pattern(self.patterns, b.value)
-            if pattern is None or pattern > 1 or not isinstance(b.var, relax.DataflowVar):
+            read_anywhere[hash(var)] = read_anywhere.get(hash(var), 0) + 1
+        cheap = {}
+        for b, var, pattern, args, _ in facts:
+            if pattern is None or pattern > 1 or not isinstance(var, relax.DataflowVar):
                 continue
-            size = size_of(b.var)
-            args = list(b.value.args[1])
-            sizes = [size_of(a) for a in args]
+            size = self._size(var)
+            sizes = [self._size(a) for a in args]
             if size is None or None in sizes or sum(s == size for s in sizes) != 1:
                 continue
             if any(s > size for s in sizes):
                 continue
-            users = readers.get(b.var, [])
-            if len(users) < 2 or read_anywhere.get(b.var, 0) != len(users):
+            users = readers.get(hash(var), [])
+            if len(users) < 2 or read_anywhere.get(hash(var), 0) != len(users):
                 continue  # read by something other than call_tir, e.g. a tuple or the output
-            patterns = [_pattern(self.patterns, u.value) for u in users]
-            if all(p is not None and p <= _FUSABLE for p in patterns):
-                cheap[b.var] = b.value
+            if all(p <= _FUSABLE for p in users):
+                cheap[var] = b.value
         return cheap
 
+    def _facts(self, binding: relax.VarBinding) -> tuple:
+        """``(binding, var, op_pattern or None, operands, handles of the vars it reads)``."""
+        found = self.facts.get(hash(binding))
+        if found is None:
+            value = binding.value
+            pattern = _pattern(self.patterns, value)
+            args = _operands(value) if pattern is not None else []
+            free = [hash(v) for v in relax.analysis.free_vars(value)]
+            found = self.facts[hash(binding)] = (binding, binding.var, pattern, args, free)
+        return found
+
+    def _size(self, var) -> int | None:
+        found = self.facts.get(hash(var))
+        if found is None:
+            found = self.facts[hash(var)] = (var, _size(var))
+        return found[1]
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        value = binding.value
-        if _pattern(self.patterns, value) is None or not self.cheap:
+        _, _, pattern, args, _ = self._facts(binding)
+        if pattern is None or not self.cheap:
             return super().visit_var_binding_(binding)
-        args = list(value.args[1])
         copies = {}
         for arg in dict.fromkeys(args):  # each var once, in order
             if arg in self.cheap:
@@ -152,6 +172,7 @@ class _Rewriter(PyExprMutator):
             return super().visit_var_binding_(binding)
         args = [copies.get(arg, arg) for arg in args]
         operands = relax.Tuple([self.visit_expr(a) for a in args])
+        value = binding.value
         new_value = relax.Call(value.op, [value.args[0], operands, *value.args[2:]],
                                value.attrs, value.ty_args)  # fmt: skip
         return super().visit_var_binding_(relax.VarBinding(binding.var, new_value))

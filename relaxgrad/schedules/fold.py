@@ -50,7 +50,8 @@ class _Folder(PyExprMutator):
         self.constants: dict = {}  # var bound to a folded call -> its constant
         self.built: dict = {}  # GlobalVar -> the built function, or None where building failed
         self.folded = 0
-        self._build_together(_foldable(mod))
+        gvars, self.unchanged = _foldable(mod)
+        self._build_together(gvars)
 
     def _build_together(self, gvars: list) -> None:
         """Build the PrimFuncs of ``gvars`` in one module: each build has a fixed cost (an
@@ -67,6 +68,11 @@ class _Folder(PyExprMutator):
         for gvar in prims:
             self.built[gvar] = library[gvar.name_hint]
 
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        if hash(func) in self.unchanged:  # (by handle: a function of the module)
+            return func  # nothing to fold: no need to rebuild it binding by binding
+        return super().visit_function_(func)
+
     def visit_var_(self, var: relax.Var) -> relax.Expr:
         return self.constants.get(var, var)
 
@@ -75,7 +81,7 @@ class _Folder(PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if _is_call_tir(value) and len(value.args) == 2:
+        if _is_call_tir(value) and len(value.args) == 2 and self._constant_operands(value):
             constant = self._evaluated(self.visit_expr(value))
             if constant is not None:
                 self.folded += 1
@@ -85,6 +91,11 @@ class _Folder(PyExprMutator):
         if isinstance(binding.value, _ty.Constant):
             self.constants[binding.var] = binding.value
         super().visit_var_binding_(binding)
+
+    def _constant_operands(self, call: relax.Call) -> bool:
+        """Whether the operands of ``call`` are constants or vars bound to them (a test before
+        the call is visited, which replaces those vars by their constants)."""
+        return all(isinstance(x, _ty.Constant) or x in self.constants for x in _operands(call))
 
     def _evaluated(self, call: relax.Call) -> _ty.Constant | None:
         """The value of ``call``, a ``call_tir`` of one static-shape tensor from constants;
@@ -114,14 +125,19 @@ class _Folder(PyExprMutator):
         return self.built[gvar]
 
 
-def _foldable(mod: IRModule) -> list:
+def _foldable(mod: IRModule) -> tuple[list, set]:
     """The GlobalVars of the ``call_tir`` bindings of ``mod``'s functions whose operands are
     constants or vars bound to such calls (or to constants), in order: what
-    :class:`_Folder` will evaluate unless a kernel fails to build or run."""
-    constant, found = set(), {}
+    :class:`_Folder` will evaluate unless a kernel fails to build or run; and the handles
+    (``hash``) of the Relax functions with none of them and no nested function or ``If``
+    (whose bindings this scan does not read): those it leaves as they are."""
+    constant, found, unchanged = set(), {}, set()
     for _, func in mod.functions_items():
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+        if not isinstance(func, relax.Function):
             continue
+        if not isinstance(func.body, relax.SeqExpr):
+            continue
+        folds = False
         for block in func.body.blocks:
             for binding in block.bindings:
                 value = binding.value
@@ -131,7 +147,12 @@ def _foldable(mod: IRModule) -> list:
                 elif _foldable_call(value, constant.__contains__):
                     constant.add(binding.var)
                     found.setdefault(value.args[0], None)
-    return list(found)
+                    folds = True
+                elif isinstance(value, relax.If | relax.Function):
+                    folds = True
+        if not folds:
+            unchanged.add(hash(func))
+    return list(found), unchanged
 
 
 def _operands(call: relax.Call) -> list:
@@ -142,9 +163,11 @@ def _operands(call: relax.Call) -> list:
 def _foldable_call(value, constant) -> bool:
     """Whether ``value`` is a ``call_tir`` of one static-shape tensor whose operands are
     constants or vars for which ``constant`` holds."""
-    if not (_is_call_tir(value) and len(value.args) == 2) or static_shape(value) is None:
+    if not (_is_call_tir(value) and len(value.args) == 2):
         return False
-    return all(isinstance(x, _ty.Constant) or constant(x) for x in _operands(value))
+    if not all(isinstance(x, _ty.Constant) or constant(x) for x in _operands(value)):
+        return False
+    return static_shape(value) is not None  # (last: the slowest test)
 
 
 def _library(prims: dict) -> tvm.runtime.Module:

@@ -291,6 +291,8 @@ class _Grouper:
         self.builder = builder
         self.reads = read_counts(func)
         self.starts: dict = {}  # GlobalVar -> _may_start of its PrimFunc
+        self.plain: dict = {}  # GlobalVar -> _plain of its PrimFunc
+        self.read: dict = {}  # a binding's index in its block -> _Grouper._reads of it
 
     def rewrite(self) -> relax.Function | None:
         blocks, changed = [], False
@@ -314,6 +316,7 @@ class _Grouper:
         groups = []  # (member indices, merged PrimFunc, its args, its results)
         end, items = -1, _tuple_items(bindings)
         position = {b.var: i for i, b in enumerate(bindings)}
+        self.read = {}
         for first, binding in enumerate(bindings):
             if first > end and self._reduces_rows(binding):
                 stop = min(first + 1 + _WINDOW, len(bindings))
@@ -340,15 +343,14 @@ class _Grouper:
             if index in members:
                 continue
             binding = bindings[index]
-            call = _is_call_tir(binding.value)
-            args = set(_args(binding.value)) if call else _free(binding)
+            call, args = self._reads(bindings, index)
             reads_group = bool(args & outputs)
             joinable = (
                 call
                 and len(members) < _MAX_MEMBERS
                 and not args & tainted
                 and (reads_group or self._shares_rows(binding, args, inputs, since(args) - outputs))
-                and _plain(self.mod[binding.value.args[0]])
+                and self._plain(binding.value.args[0])
             )
             candidate = sorted([*members, index, *_parts(items, bindings, index)])
             merged = None
@@ -362,6 +364,23 @@ class _Grouper:
             elif reads_group or args & tainted:
                 tainted.add(binding.var)
         return best
+
+    def _reads(self, bindings, index: int) -> tuple[bool, frozenset]:
+        """Whether ``bindings[index]`` is a ``call_tir``, and the vars it reads (its operands
+        if so), read once per block: each binding is in the window of up to ``_WINDOW``
+        groups' starts."""
+        found = self.read.get(index)
+        if found is None:
+            binding = bindings[index]
+            call = _is_call_tir(binding.value)
+            args = frozenset(_args(binding.value)) if call else frozenset(_free(binding))
+            found = self.read[index] = (call, args)
+        return found
+
+    def _plain(self, gvar) -> bool:
+        if gvar not in self.plain:
+            self.plain[gvar] = _plain(self.mod[gvar])
+        return self.plain[gvar]
 
     def _shares_rows(self, binding, args: set, inputs: set, later: set) -> bool:
         """Whether ``binding``, which reads none of the group's results, reads one of its
@@ -414,8 +433,7 @@ class _Grouper:
                 relax.expr._update_type(value, typed)
             inner[binding.var] = relax.Var(binding.var.name, binding.var.ty)
             body.append(relax.VarBinding(inner[binding.var], value))
-        calls = relax.DataflowBlock([bindings[i] for i in members])
-        read_inside = read_counts(relax.SeqExpr([calls], relax.Tuple([])))
+        read_inside = read_counts(*(bindings[i].value for i in members))
         bound = [bindings[i].var for i in members]
         results = [v for v in bound if self.reads.get(v, 0) > read_inside.get(v, 0)]
         if not results or not all(isinstance(r.ty, relax.TensorType) for r in results):

@@ -19,7 +19,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import rewrite_functions, static_shape
+from ._common import may_change, rewrite_functions, static_shape
 
 
 @tvm.transform.module_pass(opt_level=0, name="MeanAsSum")
@@ -37,9 +37,19 @@ class _Rewriter(PyExprMutator):
         super().__init__(mod)
         self.mean = Op.get("relax.mean")
 
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        if not may_change(func, self._is_mean):
+            return func
+        return super().visit_function_(func)
+
+    def _is_mean(self, expr) -> bool:
+        return (
+            isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(self.mean)
+        )
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not (isinstance(call.op, Op) and call.op.same_as(self.mean)):
+        if not self._is_mean(call):
             return call
         (x,) = call.args
         shape, dtype = static_shape(x), _ty.dtype_of(x)
