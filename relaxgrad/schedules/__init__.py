@@ -1,22 +1,22 @@
 """Schedule steps for relaxgrad.compile: a rule per PrimFunc, chosen by trying them in order.
 
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
-(:class:`TiledMatmul`, :class:`RowLocal`, :class:`ColumnLocal`, :class:`ParallelLoops`) share
-one mechanism: a rule that raises or whose schedule fails verification falls through to the
-next, and the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds
-rewrite convolutions into matmuls (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls
-(:class:`MatmulToBLAS`), batch statistics into means of the gradient's form
-(:class:`ShareStatistics`) and means into sums that fuse with the products they reduce
-(:class:`MeanAsSum`), then legalize with each operator's legalization reused for calls of the
-same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers read twice are
-copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows may fuse with
-their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins the
-elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
-kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by
-:class:`RowColumnLocal`); after scheduling, vectorized loops over ``sinh`` and ``cosh`` or
-blocks of several results run serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the
-first, builds the second wrong) and float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become
-polynomials LLVM vectorizes (:class:`FastMath`).
+(:class:`TiledMatmul`, :class:`RowLocal`, :class:`ColumnLocal`, :class:`ParallelLoops`) share one
+mechanism: a rule that raises or whose schedule fails verification falls through to the next, and
+the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds write small
+whole powers as products (:class:`IntegerPowers`) and rewrite convolutions into matmuls
+(:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
+into means of the gradient's form (:class:`ShareStatistics`) and means into sums that fuse with the
+products they reduce (:class:`MeanAsSum`), then legalize with each operator's legalization reused
+for calls of the same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers
+read twice are copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows
+may fuse with their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins
+the elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
+kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`);
+after scheduling, vectorized loops over ``sinh`` and ``cosh`` or blocks of several results run
+serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the first, builds the second wrong) and
+float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become polynomials LLVM vectorizes
+(:class:`FastMath`).
 """
 
 from .blas import MatmulToBLAS
@@ -30,6 +30,7 @@ from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
 from .legalize import LegalizeOpsOnce
 from .means import MeanAsSum
+from .powers import IntegerPowers
 from .rows import FuseRowReductions, RowLocal
 from .serial import SerialVectorLoops
 from .statistics import ShareStatistics
@@ -45,6 +46,7 @@ __all__ = [
     "FuseColumnSums",
     "FuseRowGroups",
     "FuseRowReductions",
+    "IntegerPowers",
     "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
