@@ -29,7 +29,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import rewrite_functions, static_shape
+from ._common import may_change, rewrite_functions, static_shape
 
 
 @tvm.transform.module_pass(opt_level=0, name="ShareStatistics")
@@ -46,6 +46,11 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
         self.batch_norm, self.variance = Op.get("relax.nn.batch_norm"), Op.get("relax.variance")
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        ops = (self.batch_norm, self.variance)
+        wanted = lambda v: isinstance(v, relax.Call) and any(v.op.same_as(o) for o in ops)  # noqa: E731
+        return super().visit_function_(func) if may_change(func, wanted) else func
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
