@@ -1,5 +1,5 @@
 """``power(x, c)`` with a small whole constant ``c`` as products, a Relax rewrite before
-legalization (CPU and GPU).
+legalization (CPU).
 
 GPT-2's GELU computes ``x ** 3``. Legalized as ``pow``, it builds a libm call per element, and
 TVM warns on every ``pow`` whose constant exponent is 3 or more (``Detected pow(x, y) where y
@@ -17,6 +17,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from ._common import may_change, rewrite_functions
+from .blas import _is
 
 _POWER = Op.get("relax.power")
 
@@ -41,14 +42,13 @@ def _exponent(expr) -> int | None:
 @mutator
 class _Rewriter(PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        if not may_change(func, lambda value: isinstance(value, relax.Call)
-                          and value.op.same_as(_POWER)):  # fmt: skip
+        if not may_change(func, lambda value: _is(value, _POWER)):
             return func
         return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not (isinstance(call.op, Op) and call.op.same_as(_POWER)):
+        if not _is(call, _POWER):
             return call
         x, exponent = call.args
         n = _exponent(exponent)

@@ -30,6 +30,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
 from ._common import may_change, rewrite_functions, static_shape
+from .blas import _is
 
 
 @tvm.transform.module_pass(opt_level=0, name="ShareStatistics")
@@ -49,8 +50,9 @@ class _Rewriter(PyExprMutator):
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         ops = (self.batch_norm, self.variance)
-        wanted = lambda v: isinstance(v, relax.Call) and any(v.op.same_as(o) for o in ops)  # noqa: E731
-        return super().visit_function_(func) if may_change(func, wanted) else func
+        if not may_change(func, lambda value: any(_is(value, op) for op in ops)):
+            return func
+        return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
