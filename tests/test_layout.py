@@ -24,6 +24,7 @@ FLOORS = {
     "_threads": 0,
     "_stack": 0,
     "_ty": 0,
+    "_tir": 0,
     "_version": 0,
     "errors": 0,
     # plumbing over the leaves: the expression walker, module updates, the compile cache

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
 from tvm.relax.op import (
-    argmax,
     astype,
     equal,
     exp,
@@ -23,7 +22,6 @@ from tvm.relax.op import (
     reshape,
     rsqrt,
     squeeze,
-    stack,
     strided_slice,
     sum,
     tril,
@@ -38,6 +36,7 @@ from tvm.relax.op.grad import (
 from tvm.relax.op.nn import conv2d, conv2d_transpose, conv3d, conv3d_transpose, pad, softmax
 
 from .. import _ty
+from .._tir import guarded
 from ..errors import GradientError
 from ._utils import const, count, fit_shape, relayout, scalar, static_dims
 from .grad import _pool_layout, _windows
@@ -296,24 +295,45 @@ def _window_of(t, windows: list[int], axis: int, step: int, j: int, before: int,
     return strided_slice(repeated, [axis], [start + low], [start + low + length])
 
 
-def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
+def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name: str):
     """The VJP of max_pool2d for overlapping windows (TVM 0.27's max_pool2d_backward returns
-    garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking: ``argmax``
-    over the window offsets stacked in order), added at the positions of ``x``.
+    garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking: the first
+    window offset, in raster order, holding the maximum), added at the positions of ``x``.
 
-    The argmax is one reduction that later kernels read, not a chain of comparisons each
-    inlined into the next (a 3x3 window made that a 2**9-fold expression). The sum is a
+    The argmax is one kernel (a ``call_tir`` of integers, which no gradient flows into): per
+    window, the least offset ``k`` whose value equals the pooled output ``y``, each offset
+    compared once (a chain of comparisons, each step reading the running maximum twice, grew
+    2**9-fold for a 3x3 window). An ``argmax`` over the stacked offsets wrote nine copies of
+    the pooled output (ResNet-50's slowest kernel but the gemms); an elementwise ``minimum``
+    over ``where(window_k == y, k, K)`` fused into each of the gather's reads. The sum is a
     gather: each position of ``x`` lies in at most ``ceil(size / stride)`` windows per axis,
     and from window ``(p + before) // stride - j`` it is offset ``(p + before) % stride + j *
     stride``; it adds the ``g`` of those windows whose argmax is its offset (four windows for
     a 3x3 window of stride 2), instead of scattering each of the nine offsets' parts with
     zeros over the whole input."""
     dtype = _ty.dtype_of(x)
-    values = _windows(x, attrs, ins, out_dims, float(np.finfo(dtype).min), op_name)
-    first = argmax(stack(values, axis=0), axis=0)  # the offset, ky * kx_size + kx
-    (ay, ky_size, sy, top, _, _), (ax, kx_size, sx, left, _, _) = _pool_extent(
-        attrs, ins, out_dims, op_name
-    )
+    extents = _pool_extent(attrs, ins, out_dims, op_name)
+    (ay, ky_size, sy, top, _, _), (ax, kx_size, sx, left, _, _) = extents
+    fill = float(np.finfo(dtype).min)  # the windows' padding, as _windows pads
+
+    def window_argmax(data, pooled):  # the offset ky * kx_size + kx, of each window
+        def value(*index):
+            first = tirx.const(ky_size * kx_size, "int32")  # none
+            for k in reversed(range(ky_size * kx_size)):  # the least offset wins
+                at = list(index)
+                at[ay] = index[ay] * sy + k // kx_size - top
+                at[ax] = index[ax] * sx + k % kx_size - left
+                inside = tirx.all(at[ay] >= 0, at[ay] < ins[ay], at[ax] >= 0, at[ax] < ins[ax])
+                hit = guarded(data, at, inside, fill) == pooled[index]
+                first = tirx.Select(hit, tirx.const(k, "int32"), first)
+            return first
+
+        return te.compute(out_dims, value, name="window_argmax")
+
+    first = ctx.emit_te(window_argmax, x, ctx.normalize(y), primfunc_name_hint="window_argmax")
+    # its own kernel (kOpaque): fused into the gather below, it ran once per read of it
+    gv = ctx.lookup_binding(first).args[0]
+    ctx.update_func(gv, ctx.get()[gv].with_attr("op_pattern", 8))
     shape = [1] * len(ins)
     shape[ay], shape[ax] = ins[ay], ins[ax]
     total = None
@@ -327,7 +347,7 @@ def _max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name: str):
             code = np.where((offset_y[:, None] < ky_size) & (offset_x[None, :] < kx_size),
                             offset_y[:, None] * kx_size + offset_x[None, :], -1)  # fmt: skip
             hit = equal(_window_of(rows_f, out_dims, ax, sx, jx, left, ins[ax], -1),
-                        relax.const(code.astype("int64").reshape(shape)))  # fmt: skip
+                        relax.const(code.astype("int32").reshape(shape)))  # fmt: skip
             g = _window_of(rows_g, out_dims, ax, sx, jx, left, ins[ax], 0)
             term = where(hit, g, const(0, dtype))
             total = term if total is None else total + term
@@ -377,7 +397,8 @@ def _pool2d(op_name: str, backward):
         overlapping = any(int(s) < int(k) for s, k in zip(attrs.strides, attrs.pool_size))
         if op_name == "relax.nn.max_pool2d" and overlapping:
             ins, out_dims = static_dims(x, op_name), static_dims(ctx.normalize(grad), op_name)
-            return [_max_pool2d_overlapping_grad(grad, x, attrs, ins, out_dims, op_name)]
+            y = relayout(orig_var, attrs.out_layout, attrs.layout, op_name)
+            return [_max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name)]
         if op_name == "relax.nn.avg_pool2d" and attrs.ceil_mode and attrs.count_include_pad:
             return [_avg_pool2d_ceil_include_pad_grad(ctx.normalize(grad), x, attrs, op_name)]
         kwargs = {key: attrs[key] for key in _POOL2D_ATTRS}

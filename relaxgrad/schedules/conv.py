@@ -39,6 +39,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
 from .. import _ty
+from .._tir import guarded, selected
 from . import blas
 from ._common import (
     OPAQUE,
@@ -212,7 +213,7 @@ class _Rewriter(PyExprMutator):
                 oy, ox = tirx.min(y // kh, gh - 1), tirx.min(x // kw, gw - 1)
                 tap = tirx.Var("tap", index.dtype)  # read at the clamped window (a Let)
                 hit = tirx.all(y < gh * kh, x < gw * kw, tap == (y % kh) * kw + x % kw)
-                return tirx.Let(tap, index[b, ci, oy, ox], _selected(grad[b, ci, oy, ox], hit))
+                return tirx.Let(tap, index[b, ci, oy, ox], selected(grad[b, ci, oy, ox], hit))
 
             return te.compute(shapes[1], value, name="max_unpool")
 
@@ -381,7 +382,7 @@ class _Rewriter(PyExprMutator):
                 pixel = row * gw + col  # in bounds: a select, not a branch
                 read = data[tap_index, b * gh * gw + pixel] if stacked else \
                     data[b, tap_index, pixel]
-                return te.sum(_selected(read, inside), axis=axes)
+                return te.sum(selected(read, inside), axis=axes)
 
             return te.compute((n, c, h, wd), value, name="col2im")
 
@@ -447,8 +448,8 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
     slower), which reads the padding's columns past either end of the row: within the buffer
     but for the first and the last row of the whole tensor. So a row in the image whose reads
     from ``-left`` to ``w - 1 + right`` stay in the buffer reads them (and selects 0 there);
-    any other row reads clamped indices (:func:`_guarded`). The branch is per row, not per
-    element: the condition does not depend on the column."""
+    any other row reads clamped indices (:func:`relaxgrad._tir.guarded`). The branch is per
+    row, not per element: the condition does not depend on the column."""
     (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
     right = conv.padding[3]
     iy, ix = oy * sh + ky * dh - top, ox * sw + kx * dw - left
@@ -460,26 +461,7 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
                                    row + w - 1 + right < n * c * h * w)
     fast = tirx.Select(inside, data[b, ci, iy, ix], zero)
     return tirx.if_then_else(row_reads_in_buffer, fast,
-                             _guarded(data, [b, ci, iy, ix], inside))
-
-
-def _guarded(data, indices, inside):
-    """``data[indices]`` where ``inside``, else 0, reading ``data`` in bounds whatever
-    ``indices`` are: the read is at the indices clamped into the buffer's shape.
-
-    Not ``Select(inside, data[clamped], 0)``: TVM's simplifier, which knows ``inside`` in a
-    select's first operand, drops the clamps there, and a select evaluates both operands, so
-    the kernel would read past the buffer (a segfault where it ends at a page). The read is
-    bound by a ``Let`` outside the select instead, which the simplifier leaves clamped."""
-    clamped = [tirx.max(tirx.min(i, int(e) - 1), 0) for i, e in zip(indices, data.shape)]
-    return _selected(data[tuple(clamped)], inside)
-
-
-def _selected(read, inside):
-    """``read`` (a buffer read at indices in bounds) where ``inside``, else 0, with the read
-    bound outside the select, so that the simplifier keeps its indices (see :func:`_guarded`)."""
-    value = tirx.Var("v", read.dtype)
-    return tirx.Let(value, read, tirx.Select(inside, value, tirx.const(0, read.dtype)))
+                             guarded(data, [b, ci, iy, ix], inside))
 
 
 def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:

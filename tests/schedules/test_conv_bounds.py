@@ -1,5 +1,6 @@
 """The gathers and scatters ConvToMatmul writes (im2col, col2im, the max-pool gradient's
-unpooling) read nothing outside their buffers: each kernel runs on operands laid against an
+unpooling) and the overlapping max-pool gradient's window argmax read nothing outside their
+buffers: each kernel runs on operands laid against an
 unreadable page, before and after, and gives the values it gives on ordinary memory.
 
 A select evaluates both of its operands, and TVM's simplifier drops the clamps of a read in a
@@ -24,6 +25,7 @@ CHILD = textwrap.dedent(
     from tvm.relax import op
     import relaxgrad
     from relaxgrad.pipeline import host_target
+    from relaxgrad.schedules import ScheduleCPU
     from relaxgrad.schedules.conv import ConvToMatmul
     from relaxgrad.schedules._common import static_shape
     from relaxgrad._ty import dtype_of
@@ -64,9 +66,9 @@ CHILD = textwrap.dedent(
             return op.sum(op.multiply(y, y))
         return adjoint(body, [("x", x_shape), ("w", w_shape)])
 
-    def pool(x_shape, window):
+    def pool(x_shape, window, strides=None, padding=0):
         def body(x):
-            y = op.nn.max_pool2d(op.nn.relu(x), window, window)
+            y = op.nn.max_pool2d(op.nn.relu(x), window, strides or window, padding)
             return op.sum(op.multiply(y, y))
         return adjoint(body, [("x", x_shape)])
 
@@ -82,6 +84,8 @@ CHILD = textwrap.dedent(
         "conv, batch in columns": (conv((4, 8, 6, 6), (16, 8, 3, 3), padding=1),
                                    dict(summed_batches=True, batch_columns_below=1000)),
         "max pool, windows not tiling": (pool((2, 8, 9, 7), 2), {}),
+        # overlapping windows (ResNet's stem): the rule's window argmax
+        "max pool 3x3, stride 2, padding 1": (pool((2, 8, 8, 8), 3, 2, 1), {}),
     }
 
     rng = np.random.default_rng(0)
@@ -90,13 +94,14 @@ CHILD = textwrap.dedent(
         calls = [b.value for block in rewritten["main_adjoint"].body.blocks
                  for b in block.bindings if isinstance(b.value, relax.Call)
                  and b.value.op.same_as(tvm.ir.Op.get("relax.call_tir"))
-                 and b.value.args[0].name_hint.startswith(("im2col", "col2im", "max_unpool"))]
+                 and b.value.args[0].name_hint.startswith(("im2col", "col2im", "max_unpool", "window_argmax"))]
         assert calls, name
         for call in calls:
             gv, operands = call.args[0], list(call.args[1].fields)
-            func = rewritten[gv]
-            built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                                host_target())
+            kernel = tvm.IRModule({"main": rewritten[gv].with_attr("global_symbol", "main")})
+            with host_target():  # as relaxgrad.compile schedules the rule's kernels
+                kernel = ScheduleCPU()(kernel)
+            built = tvm.compile(kernel, host_target())
             shapes = [static_shape(e) for e in operands + [call]]
             dtypes = [dtype_of(e) for e in operands + [call]]
             inputs = [(rng.standard_normal(s) * 4).astype(d) for s, d in
@@ -121,4 +126,4 @@ def test_gathers_read_only_their_buffers():
     )
     kernels = [line for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert any(" im2col" in k for k in kernels) and any(" col2im" in k for k in kernels)
-    assert any(" max_unpool" in k for k in kernels)
+    assert any(" max_unpool" in k for k in kernels) and any(" window_argmax" in k for k in kernels)
