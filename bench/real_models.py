@@ -22,6 +22,12 @@ PyTorch runs the same module). The step is forward, loss (cross-entropy), backwa
 the optimizer step stays eager). All run with ``--threads`` threads (TVM_NUM_THREADS,
 ``torch.set_num_threads``, inductor's ``compile_threads``) and denormals flushed to zero.
 
+Below the table, each framework's line names the kernels its matrix products ran: OpenBLAS's
+core for relaxgrad (``OPENBLAS_CORETYPE``, where set, pins it: ``Haswell`` runs AVX2 kernels on
+an AVX-512 CPU, at about half of their speed), PyTorch's CPU capability for the others (MKL and
+oneDNN dispatch on it, whatever ``OPENBLAS_CORETYPE`` says), and relaxgrad's adjoint / forward
+time (the loss's adjoint against the loss alone, alternately, on the step's batch).
+
 Each (model, framework) runs in a child process of its own: it builds the model (seed 0), the
 batch and the targets, compiles, takes one untimed first step and ``--steps`` timed steps, and
 prints a line of JSON. *Compile* is relaxgrad's ``from_torch`` plus the ``Trainer``'s
@@ -165,7 +171,46 @@ def relaxgrad_step(module, x, y):
     trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3), cache=False,
                                 progress=False)
     inputs = x.numpy()
-    return lambda: trainer.step(inputs, y)
+    step = lambda: trainer.step(inputs, y)  # noqa: E731
+    step.trainer, step.inputs = trainer, inputs
+    return step
+
+
+def adjoint_over_forward(trainer, inputs, y, rounds: int = 3) -> float:
+    """The median time of the loss's adjoint over that of the loss alone (the forward), one
+    call of each in turn per round, on the step's batch."""
+    import statistics
+
+    args = trainer._args(inputs, train=True)
+    args.append(trainer._to_device(y, trainer._target, "target"))
+    name = trainer.func_name
+    forward, adjoint = trainer.vm[f"{name}_loss"], trainer.vm[f"{name}_loss_adjoint"]
+    forward(*args)
+    times = {forward: [], adjoint: []}
+    for _ in range(rounds):
+        for func, spent in times.items():
+            start = time.perf_counter()
+            func(*args)
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[adjoint]) / statistics.median(times[forward])
+
+
+def kernels(framework: str) -> str:
+    """The kernel set the framework's matrix products run: OpenBLAS's core for relaxgrad
+    (``OPENBLAS_CORETYPE`` pins it), PyTorch's CPU capability (its MKL and oneDNN dispatch)."""
+    if framework == "relaxgrad":
+        import ctypes
+
+        from relaxgrad.schedules import blas
+
+        if blas.SGEMM is None:
+            return "TVM's own matmuls"
+        lib = ctypes.CDLL(blas.library_path())
+        lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
+        return f"OpenBLAS {lib.scipy_openblas_get_corename().decode()}"
+    import torch
+
+    return f"PyTorch {torch.backends.cpu.get_cpu_capability()}"
 
 
 def child(name: str, framework: str) -> dict:
@@ -189,6 +234,7 @@ def child(name: str, framework: str) -> dict:
     out["first_step_s"], first_loss = timed(step)
     if framework == "compile":
         out["compile_s"] = out["first_step_s"]
+    out["kernels"] = kernels(framework)
     times, losses = [], [first_loss]
     (busy, own), start = cpu_seconds(), time.perf_counter()
     for _ in range(ARGS.steps):
@@ -200,6 +246,8 @@ def child(name: str, framework: str) -> dict:
     out["others_cores"] = max(0.0, (busy_end - busy) - (own_end - own)) / wall
     out.update(step_s=times, losses=losses, peak_rss_mib=peak_rss_mib(),
                workers_rss_mib=peak_rss_mib(resource.RUSAGE_CHILDREN))
+    if framework == "relaxgrad":
+        out["adjoint_over_forward"] = adjoint_over_forward(step.trainer, step.inputs, y)
     return out
 
 
@@ -265,7 +313,11 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict]:
                               "compile_s", "first_step_s", "peak_rss_mib", "base_rss_mib",
                               "compile_rss_mib", "workers_rss_mib")},
                           "others_cores": max(r["others_cores"] for r in runs),
-                          "label": runs[0]["label"], "loss": runs[0]["losses"][-1]}
+                          "label": runs[0]["label"], "loss": runs[0]["losses"][-1],
+                          "kernels": runs[0]["kernels"]}
+        if "adjoint_over_forward" in runs[0]:
+            out[framework]["adjoint_over_forward"] = spread(
+                r["adjoint_over_forward"] for r in runs)
     return out
 
 
@@ -309,7 +361,11 @@ def notes(framework: str, s: dict) -> str:
     if "error" in s:
         return f"{LABELS[framework]} failed: {s['error']}"
     workers = f", workers' RSS {s['workers_rss_mib']:.0f} MiB" if framework == "compile" else ""
-    return (f"{LABELS[framework]} first step {s['first_step_s']:.2f} s, peak RSS "
+    ratio = s.get("adjoint_over_forward")
+    adjoint = "" if ratio is None else \
+        f", adjoint / forward {ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f})"
+    return (f"{LABELS[framework]} ({s['kernels']}){adjoint}: first step "
+            f"{s['first_step_s']:.2f} s, peak RSS "
             f"{s['base_rss_mib']:.0f} MiB built, {s['compile_rss_mib']:.0f} MiB compiled{workers}, "
             f"loss after {ARGS.steps + 1} steps {s['loss']:.4f}, others' load up to "
             f"{s['others_cores']:.2f} cores")
@@ -318,6 +374,11 @@ def notes(framework: str, s: dict) -> str:
 def main() -> None:
     import torch
 
+    pinned = os.environ.get("OPENBLAS_CORETYPE")
+    if pinned:
+        print(f"OPENBLAS_CORETYPE={pinned} pins OpenBLAS (relaxgrad's gemms) to that core's "
+              f"kernels; run `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python "
+              f"bench/real_models.py` to let it pick this CPU's own", flush=True)
     print(f"threads: {ARGS.threads}, batch {ARGS.batch}, torch {torch.__version__}, "
           f"{ARGS.runs} rounds x {ARGS.steps} timed steps{', small configs' if ARGS.small else ''}"
           f"; step: median of round medians (min-max); ratio: median of the rounds' ratios "

@@ -31,6 +31,8 @@ gradient, ``where(t < 0, 0, dx)``, is its only reader, the gather applies the ma
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import relax, s_tir, te, tirx
 from tvm.ir import IRModule, Op
@@ -374,15 +376,30 @@ class _Rewriter(PyExprMutator):
                 clamp = lambda v, e: tirx.max(tirx.min(v, e - 1), 0)  # noqa: E731
                 return clamp(k, size), clamp(window, extent), conds
 
+            def at(b, tap_index, pixel):
+                return (tap_index, b * gh * gw + pixel) if stacked else (b, tap_index, pixel)
+
             def value(b, ci, y, x):
                 ky, row, inside_y = tap(axes[0], y, *reach[0])
                 kx, col, inside_x = tap(axes[1], x, *reach[1])
                 inside = tirx.all(*inside_y, *inside_x)
                 tap_index = (ci * kh + ky) * kw + kx
                 pixel = row * gw + col  # in bounds: a select, not a branch
-                read = data[tap_index, b * gh * gw + pixel] if stacked else \
-                    data[b, tap_index, pixel]
-                return te.sum(selected(read, inside), axis=axes)
+                read = selected(data[at(b, tap_index, pixel)], inside)
+                if (sw, dw) != (1, 1):
+                    return te.sum(read, axis=axes)
+                # Stride 1 along the rows: a row of x reads a row of the columns from column
+                # x + left - jx, a plain vector read (clamped, a gather) where the columns past
+                # either end, which it selects 0 for, are in the buffer: rows in the image but
+                # the buffer's first and last (as im2col's, :func:`_padded`).
+                start = row * gw + left - axes[1]  # unclamped: the row's first column
+                dims = [int(d) for d in data.shape]
+                flat = sum(i * math.prod(dims[d + 1:]) for d, i in
+                           enumerate(at(b, tap_index, start)))  # fmt: skip
+                in_buffer = tirx.all(*inside_y, flat >= 0, flat + wd - 1 < math.prod(dims))
+                fast = tirx.Select(inside, data[at(b, tap_index, start + x)],
+                                   tirx.const(0, data.dtype))  # fmt: skip
+                return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
 
             return te.compute((n, c, h, wd), value, name="col2im")
 
