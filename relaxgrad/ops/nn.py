@@ -8,6 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 from tvm.relax.op import (
+    call_tir_with_grad,
     astype,
     equal,
     exp,
@@ -34,6 +35,7 @@ from tvm.relax.op.grad import (
     no_grad,
 )
 from tvm.relax.op.nn import conv2d, conv2d_transpose, conv3d, conv3d_transpose, pad, softmax
+from tvm.relax.training.utils import register_te_gradient
 
 from .. import _ty
 from .._tir import guarded
@@ -278,23 +280,6 @@ def _pool_extent(attrs, ins, out_dims, op_name: str):
     return extents
 
 
-def _window_of(t, windows: list[int], axis: int, step: int, j: int, before: int, length: int,
-               fill: float):  # fmt: skip
-    """``t`` (of dims ``windows``: one per window along ``axis``) read at each input position
-    ``p`` of ``length``: the value of its ``j``-th window from the last one holding ``p``,
-    window ``(p + before) // step - j``, ``fill`` where there is none (``t`` repeated ``step``
-    times along ``axis`` and shifted: injective ops only)."""
-    count = windows[axis]
-    repeated = repeat(t, step, axis=axis)  # index i holds window i // step
-    start = before - j * step  # p reads index p + start
-    low, high = max(0, -start), max(0, length + start - count * step)
-    if low or high:
-        widths = [0] * (2 * len(windows))
-        widths[2 * axis], widths[2 * axis + 1] = low, high
-        repeated = pad(repeated, widths, "constant", fill)
-    return strided_slice(repeated, [axis], [start + low], [start + low + length])
-
-
 def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name: str):
     """The VJP of max_pool2d for overlapping windows (TVM 0.27's max_pool2d_backward returns
     garbage there): ``g`` to the first argmax of each window (TVM's tie-breaking: the first
@@ -334,24 +319,66 @@ def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name:
     # its own kernel (kOpaque): fused into the gather below, it ran once per read of it
     gv = ctx.lookup_binding(first).args[0]
     ctx.update_func(gv, ctx.get()[gv].with_attr("op_pattern", 8))
-    shape = [1] * len(ins)
-    shape[ay], shape[ax] = ins[ay], ins[ax]
-    total = None
-    for jy in range(-(-ky_size // sy)):
-        offset_y = (np.arange(ins[ay]) + top) % sy + jy * sy
-        rows_f = _window_of(first, out_dims, ay, sy, jy, top, ins[ay], -1)
-        rows_g = _window_of(grad, out_dims, ay, sy, jy, top, ins[ay], 0)
-        for jx in range(-(-kx_size // sx)):
-            offset_x = (np.arange(ins[ax]) + left) % sx + jx * sx
-            # each position's offset in this window, -1 where it is outside the window
-            code = np.where((offset_y[:, None] < ky_size) & (offset_x[None, :] < kx_size),
-                            offset_y[:, None] * kx_size + offset_x[None, :], -1)  # fmt: skip
-            hit = equal(_window_of(rows_f, out_dims, ax, sx, jx, left, ins[ax], -1),
-                        relax.const(code.astype("int32").reshape(shape)))  # fmt: skip
-            g = _window_of(rows_g, out_dims, ax, sx, jx, left, ins[ax], 0)
-            term = where(hit, g, const(0, dtype))
-            total = term if total is None else total + term
-    return total
+    pool = dict(ay=ay, ax=ax, ky_size=ky_size, kx_size=kx_size, sy=sy, sx=sx, top=top,
+                left=left)
+    dims = [tirx.IntImm("int64", d) for d in out_dims]  # as Relax's shapes
+    operands = [te.placeholder(dims, "int32", "first"), te.placeholder(dims, dtype, "g")]
+    gather = te.create_prim_func([*operands, _window_gather(*operands, ins, **pool)])
+    # its own kernel: fused, a producer of g would run once per window reading it
+    gather = gather.without_attr("global_symbol").with_attr("op_pattern", 8)
+    gv = ctx.add_func(gather, "window_gather")
+    return ctx.emit(call_tir_with_grad(gv, relax.Tuple([first, grad]),
+                                       relax.TensorType(ins, dtype), WINDOW_GATHER, pool))
+
+
+WINDOW_GATHER = "relaxgrad.max_pool2d_window_gather"
+"""The TE gradient of the overlapping max pool's gather (:func:`_window_gather`)."""
+
+
+def _window_gather(first, g, ins, ay, ax, ky_size, kx_size, sy, sx, top, left):
+    """``dx`` of the overlapping max pool: each position of ``x`` (dims ``ins``) adds the ``g``
+    of the windows whose first argmax (``first``: the offset ``ky * kx_size + kx``) it is. A
+    position lies in at most ``ceil(size / stride)`` windows per axis: from window
+    ``(p + before) // stride - j`` it is offset ``(p + before) % stride + j * stride`` (four
+    windows of a 3x3 window of stride 2). Reads are guarded, at clamped indices."""
+    windows = [int(d) for d in g.shape]
+
+    def value(*index):
+        total = tirx.const(0, g.dtype)
+        for jy in range(-(-ky_size // sy)):
+            for jx in range(-(-kx_size // sx)):
+                at, offsets, inside = list(index), [], []
+                for axis, size, stride, before, j in ((ay, ky_size, sy, top, jy),
+                                                      (ax, kx_size, sx, left, jx)):
+                    at[axis] = tirx.floordiv(index[axis] + before, stride) - j
+                    offsets.append(tirx.floormod(index[axis] + before, stride) + j * stride)
+                    inside += [offsets[-1] < size, at[axis] >= 0, at[axis] < windows[axis]]
+                hit = tirx.all(*inside, guarded(first, at, tirx.all(*inside), -1)
+                               == offsets[0] * kx_size + offsets[1])  # fmt: skip
+                total = total + guarded(g, at, hit)
+        return total
+
+    return te.compute([tirx.IntImm("int64", d) for d in ins], value, name="window_gather")
+
+
+@register_te_gradient(WINDOW_GATHER)
+def _window_gather_grad(dx, first, g, ay, ax, ky_size, kx_size, sy, sx, top, left):
+    """The gather's VJP: ``g`` of a window reads ``dx`` at its argmax (0 where there is none);
+    the integer ``first`` gets zeros."""
+    ins = [int(d) for d in dx.shape]
+    size = ky_size * kx_size
+
+    def value(*index):
+        k = first[index]
+        at = list(index)
+        at[ay] = index[ay] * sy + tirx.floordiv(k, kx_size) - top
+        at[ax] = index[ax] * sx + tirx.floormod(k, kx_size) - left
+        inside = tirx.all(k >= 0, k < size, at[ay] >= 0, at[ay] < ins[ay], at[ax] >= 0,
+                          at[ax] < ins[ax])  # fmt: skip
+        return guarded(dx, at, inside)
+
+    none = te.compute(first.shape, lambda *i: tirx.const(0, first.dtype), name="no_grad")
+    return [none, te.compute(g.shape, value, name="window_gather_grad")]
 
 
 def _avg_pool2d_ceil_include_pad_grad(grad, x, attrs, op_name: str):

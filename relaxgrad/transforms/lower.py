@@ -1,4 +1,11 @@
-"""``call_tir_with_grad`` has no lowering: after differentiation it becomes ``call_tir``."""
+"""``call_tir_with_grad`` has no lowering in TVM 0.27: after differentiation it becomes
+``call_tir``.
+
+Gradient rules emit it too (the overlapping max pool's gather, whose TE gradient makes second
+derivatives possible), so an adjoint can hold one: importing relaxgrad registers the same
+lowering as the operator's ``FLegalize`` (where TVM has none), so that ``tvm.compile``'s
+``LegalizeOps`` turns it into ``call_tir`` as it legalizes every other operator (and marks the
+operator as not needing its operands' shapes, which ``LegalizeOps`` otherwise requires)."""
 
 from __future__ import annotations
 
@@ -21,6 +28,18 @@ class _Lower(PyExprMutator):
         if is_op(call, "relax.call_tir_with_grad"):
             return relax.Call(Op.get("relax.call_tir"), call.args, None, call.ty_args)
         return call
+
+
+def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``FLegalize`` of ``call_tir_with_grad``: the same ``call_tir``."""
+    return relax.Call(Op.get("relax.call_tir"), call.args, None, call.ty_args)
+
+
+if Op.get("relax.call_tir_with_grad").get_attr("FLegalize") is None:
+    tvm.ir.register_op_attr("relax.call_tir_with_grad", "FLegalize", _legalize)
+    # LegalizeOps skips a call whose operands' shapes are not all known, and the PrimFunc's
+    # GlobalVar has none
+    tvm.ir.register_op_attr("relax.call_tir_with_grad", "RequiresArgumentShapes", False)
 
 
 def _uses_call_tir_with_grad(func: relax.Function) -> bool:

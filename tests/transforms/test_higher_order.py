@@ -4,6 +4,7 @@ compiled code in float64."""
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -157,3 +158,39 @@ def test_gradient_penalty_trains_with_sgd():
         losses.append(float(loss.numpy()))
         w1, w2 = w1 - 0.01 * g1.numpy(), w2 - 0.01 * g2.numpy()
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+@pytest.mark.parametrize("compile_with", ["tvm", "relaxgrad"])
+def test_hvp_through_an_overlapping_max_pool_matches_finite_differences(compile_with):
+    """``sum(max_pool2d(x, 3, 2, 1) * w)``: x's gradient gathers each window's w to its argmax
+    (a ``call_tir_with_grad``, whose TE gradient reads the seed at the argmax), so the second
+    derivative w.r.t. w is defined; Hessian-vector products against central differences of the
+    compiled gradient, built by ``tvm.compile`` (which legalizes ``call_tir_with_grad`` once
+    relaxgrad is imported) and by ``relaxgrad.compile``."""
+    f64 = "float64"
+    x = relax.Var("x", relax.TensorType((1, 2, 6, 5), f64))
+    w = relax.Var("w", relax.TensorType((1, 2, 3, 3), f64))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            pooled = relax.op.nn.max_pool2d(x, 3, 2, 1)
+            out = bb.emit_output(relax.op.sum(relax.op.multiply(pooled, w)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    assert "call_tir_with_grad" in mod["main_adjoint"].script()
+    mod = relaxgrad.Gradient("main_adjoint", ["x", "w"], target_index=1, seed="param",
+                             strict=False)(mod)  # fmt: skip
+    build = (lambda m: tvm.compile(m, "llvm")) if compile_with == "tvm" else relaxgrad.compile
+    vm = relax.VirtualMachine(build(mod), tvm.cpu())
+    rng = np.random.default_rng(0)
+    xs, ws = rng.standard_normal((1, 2, 6, 5)), rng.standard_normal((1, 2, 3, 3))
+    v = [rng.standard_normal(xs.shape), rng.standard_normal(ws.shape)]
+    _, (_, hw) = vm["main_adjoint_adjoint"](tensor(xs), tensor(ws), tuple(tensor(a) for a in v))
+
+    def dot_at(ww):  # <grad(x, ww), v>
+        _, gs = vm["main_adjoint"](tensor(xs), tensor(ww))
+        return sum(float(np.sum(g.numpy() * d)) for g, d in zip(gs, v))
+
+    want = fd_gradient(dot_at, [ws], 0)
+    np.testing.assert_allclose(hw.numpy(), want, rtol=1e-6, atol=1e-8)
+    assert np.abs(want).max() > 0.1  # the seed reached w through the argmaxes
