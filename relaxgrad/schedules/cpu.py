@@ -248,13 +248,20 @@ class ParallelLoops(ScheduleRule):
         if not _reads_along(block, reduced):
             raise _NotApplicable
         loops = sch.get_loops(info.block_rv)
-        extent = get_extent(sch, loops[-1])
-        width = next((w for w in (lanes, lanes // 2, lanes // 4)
-                      if w > 1 and isinstance(extent, int) and extent % w == 0), None)  # fmt: skip
+        last = loops[-1]
+        if _contiguous_pair(sch, info, block, spatial, loops):  # (h, w) of NCHW: one loop
+            last = sch.fuse(loops[-2], loops[-1])
+        extent = get_extent(sch, last)
+        if not isinstance(extent, int):
+            raise _NotApplicable
+        width = next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
+        # else the widest divisor up to two vectors (14x14: 28 lanes, 7x7: 7), not scalar adds
+        width = width or next((d for d in range(2 * lanes, max(lanes // 4, 2) - 1, -1)
+                               if extent % d == 0), None)  # fmt: skip
         if width is None:
             raise _NotApplicable
         try:
-            _, inner = sch.split(loops[-1], [None, width])
+            _, inner = sch.split(last, [None, width])
             partial = sch.rfactor(inner, factor_axis=len(block.writes[0].region))
             outer = sch.get_loops(partial)[:spatial]
             fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
@@ -265,6 +272,25 @@ class ParallelLoops(ScheduleRule):
             sch.decompose_reduction(partial, sch.get_loops(partial)[1])
         except (s_tir.ScheduleError, tvm.error.InternalError) as err:  # e.g. rfactor's checks
             raise _NotApplicable from err
+
+
+def _contiguous_pair(sch: s_tir.Schedule, info, block: tirx.SBlock, spatial: int, loops) -> bool:
+    """Whether the last two loops reduce the last two dimensions, in full, of every buffer the
+    block reads along them: fused, they run along one contiguous row."""
+    if len(info.iters) - spatial < 2:
+        return False
+    outer, inner = info.iters[-2].var, info.iters[-1].var
+    extents = [get_extent(sch, loop) for loop in loops[-2:]]
+    uses = [r for r in block.reads
+            if any(_mentions(x.min, outer) or _mentions(x.min, inner) for x in r.region)]
+    return bool(uses) and all(isinstance(e, int) for e in extents) and all(
+        len(r.region) >= 2
+        and r.region[-2].min.same_as(outer)
+        and r.region[-1].min.same_as(inner)
+        and [int(d) for d in r.source.shape[-2:]] == extents
+        and not any(_mentions(x.min, outer) or _mentions(x.min, inner) for x in r.region[:-2])
+        for r in uses
+    )
 
 
 class _NotApplicable(Exception):
