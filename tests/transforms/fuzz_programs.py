@@ -1352,6 +1352,14 @@ def _with_func(mod, name, func):
     return tvm.IRModule(funcs)
 
 
+def _adjoint_only(mod):
+    """``main_adjoint`` of ``mod`` and the PrimFuncs it may call (gradient rules add some: the
+    overlapping max pool's argmax and gather), without the forward."""
+    funcs = {gv: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    funcs[tvm.ir.GlobalVar("main_adjoint")] = mod["main_adjoint"]
+    return tvm.IRModule(funcs)
+
+
 def check_compiled(prog: Program, min_rows: int | None = None) -> Outcome:
     """relaxgrad's adjoint of one program built by ``relaxgrad.compile`` (fusion, our
     schedules, OpenBLAS calls) against the same adjoint built by ``tvm.compile``: the same
@@ -1367,7 +1375,7 @@ def check_compiled(prog: Program, min_rows: int | None = None) -> Outcome:
         ours = relaxgrad.Gradient("main", None if prog.require is None else req, ti)(mod)
     except Exception as e:  # noqa: BLE001 (the pass itself is bench/fuzz.py's subject)
         return Outcome("refused", _exc_kind(e), "", "")
-    adjoint = tvm.IRModule({tvm.ir.GlobalVar("main_adjoint"): ours["main_adjoint"]})
+    adjoint = _adjoint_only(ours)
     script = adjoint.script()
     try:
         reference = relax.VirtualMachine(testing.tvm_compile_quietly(adjoint, "llvm"), tvm.cpu())
@@ -1421,7 +1429,7 @@ def check_program(prog: Program, *, peer: bool = True, target=FAST_LLVM) -> Outc
         return Outcome("exception", "pass: " + _exc_kind(e), traceback.format_exc(), script)
 
     probe_mod, _ = prog.build(probes=True)
-    full = tvm.IRModule({tvm.ir.GlobalVar("main_adjoint"): ours["main_adjoint"]})
+    full = _adjoint_only(ours)
     full = _with_func(full, "fd", probe_mod["main"])
     theirs = None
     # TVM's take rule ignores clip/wrap modes: its adjoint writes out of bounds and corrupts
