@@ -36,6 +36,20 @@ def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None)
     return step
 
 
+def adjoint_over_forward(forward, adjoint, args, rounds: int) -> float:
+    """The median time of ``adjoint(*args)`` over that of ``forward(*args)``, the two called in
+    turn ``rounds`` times, so that load from other processes falls on both alike."""
+    import time
+
+    times = {forward: [], adjoint: []}
+    for _ in range(rounds):
+        for func, spent in times.items():
+            start = time.perf_counter()
+            func(*args)
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[adjoint]) / statistics.median(times[forward])
+
+
 def spread(values) -> tuple[float, float, float]:
     """``(median, min, max)`` of ``values``."""
     values = list(values)

@@ -164,35 +164,26 @@ def torch_step(module, x, y, compiled: bool):
     return torch_adam_step(net, x, torch.from_numpy(y), module.parameters())
 
 
-def relaxgrad_step(module, x, y):
+def relaxgrad_trainer(module, x):
     from relaxgrad.training import Adam, CrossEntropyLoss, Trainer, from_torch
 
     model = from_torch(module, (x,))
     trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3), cache=False,
                                 progress=False)
-    inputs = x.numpy()
-    step = lambda: trainer.step(inputs, y)  # noqa: E731
-    step.trainer, step.inputs = trainer, inputs
-    return step
+    return trainer, x.numpy()
 
 
-def adjoint_over_forward(trainer, inputs, y, rounds: int = 3) -> float:
-    """The median time of the loss's adjoint over that of the loss alone (the forward), one
-    call of each in turn per round, on the step's batch."""
-    import statistics
+def relaxgrad_adjoint_over_forward(trainer, inputs, y) -> float:
+    """The loss's adjoint time over the loss's alone (the forward) on the step's batch, one
+    call of each in turn per round, 3 rounds."""
+    from _common import adjoint_over_forward
 
     args = trainer._args(inputs, train=True)
     args.append(trainer._to_device(y, trainer._target, "target"))
     name = trainer.func_name
     forward, adjoint = trainer.vm[f"{name}_loss"], trainer.vm[f"{name}_loss_adjoint"]
     forward(*args)
-    times = {forward: [], adjoint: []}
-    for _ in range(rounds):
-        for func, spent in times.items():
-            start = time.perf_counter()
-            func(*args)
-            spent.append(time.perf_counter() - start)
-    return statistics.median(times[adjoint]) / statistics.median(times[forward])
+    return adjoint_over_forward(forward, adjoint, args, rounds=3)
 
 
 def kernels(framework: str) -> str:
@@ -227,7 +218,8 @@ def child(name: str, framework: str) -> dict:
     module, x, y, label = build(name, np.random.default_rng(0))
     out = {"label": label, "base_rss_mib": peak_rss_mib()}
     if framework == "relaxgrad":
-        out["compile_s"], step = timed(relaxgrad_step, module, x, y)
+        out["compile_s"], (trainer, inputs) = timed(relaxgrad_trainer, module, x)
+        step = lambda: trainer.step(inputs, y)  # noqa: E731
     else:
         out["compile_s"], step = 0.0, torch_step(module, x, y, framework == "compile")
     out["compile_rss_mib"] = peak_rss_mib()  # the peak so far: the build and the compile
@@ -247,7 +239,7 @@ def child(name: str, framework: str) -> dict:
     out.update(step_s=times, losses=losses, peak_rss_mib=peak_rss_mib(),
                workers_rss_mib=peak_rss_mib(resource.RUSAGE_CHILDREN))
     if framework == "relaxgrad":
-        out["adjoint_over_forward"] = adjoint_over_forward(step.trainer, step.inputs, y)
+        out["adjoint_over_forward"] = relaxgrad_adjoint_over_forward(trainer, inputs, y)
     return out
 
 

@@ -56,7 +56,7 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from _common import fmt, spread, torch_adam_step  # noqa: E402
+from _common import adjoint_over_forward, fmt, spread, torch_adam_step  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax import op  # noqa: E402
 
@@ -258,16 +258,8 @@ def adjoint_ratio(forward, adjoint, args) -> tuple[float, float, float]:
     run) so that load from other processes falls on both alike."""
     for _ in range(2):
         forward(*args), adjoint(*args)
-    ratios = []
-    for _ in range(ARGS.runs):
-        times = {forward: [], adjoint: []}
-        for _ in range(ARGS.steps):
-            for func, spent in times.items():
-                start = time.perf_counter()
-                func(*args)
-                spent.append(time.perf_counter() - start)
-        ratios.append(statistics.median(times[adjoint]) / statistics.median(times[forward]))
-    return spread(ratios)
+    return spread(adjoint_over_forward(forward, adjoint, args, ARGS.steps)
+                  for _ in range(ARGS.runs))
 
 
 def main() -> None:

@@ -8,9 +8,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 from tvm.relax.op import (
-    call_tir_with_grad,
     astype,
-    equal,
+    call_tir_with_grad,
     exp,
     expand_dims,
     flip,
@@ -19,7 +18,6 @@ from tvm.relax.op import (
     mean,
     one_hot,
     permute_dims,
-    repeat,
     reshape,
     rsqrt,
     squeeze,
@@ -41,7 +39,7 @@ from .. import _ty
 from .._tir import guarded
 from ..errors import GradientError
 from ._utils import const, count, fit_shape, relayout, scalar, static_dims
-from .grad import _pool_layout, _windows
+from .grad import _pool_layout
 from .registry import register_gradient
 
 
@@ -297,36 +295,17 @@ def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name:
     a 3x3 window of stride 2), instead of scattering each of the nine offsets' parts with
     zeros over the whole input."""
     dtype = _ty.dtype_of(x)
-    extents = _pool_extent(attrs, ins, out_dims, op_name)
-    (ay, ky_size, sy, top, _, _), (ax, kx_size, sx, left, _, _) = extents
-    fill = float(np.finfo(dtype).min)  # the windows' padding, as _windows pads
-
-    def window_argmax(data, pooled):  # the offset ky * kx_size + kx, of each window
-        def value(*index):
-            first = tirx.const(ky_size * kx_size, "int32")  # none
-            for k in reversed(range(ky_size * kx_size)):  # the least offset wins
-                at = list(index)
-                at[ay] = index[ay] * sy + k // kx_size - top
-                at[ax] = index[ax] * sx + k % kx_size - left
-                inside = tirx.all(at[ay] >= 0, at[ay] < ins[ay], at[ax] >= 0, at[ax] < ins[ax])
-                hit = guarded(data, at, inside, fill) == pooled[index]
-                first = tirx.Select(hit, tirx.const(k, "int32"), first)
-            return first
-
-        return te.compute(out_dims, value, name="window_argmax")
-
-    first = ctx.emit_te(window_argmax, x, ctx.normalize(y), primfunc_name_hint="window_argmax")
-    # its own kernel (kOpaque): fused into the gather below, it ran once per read of it
-    gv = ctx.lookup_binding(first).args[0]
-    ctx.update_func(gv, ctx.get()[gv].with_attr("op_pattern", 8))
+    (ay, ky_size, sy, top, _, _), (ax, kx_size, sx, left, _, _) = _pool_extent(
+        attrs, ins, out_dims, op_name
+    )
     pool = dict(ay=ay, ax=ax, ky_size=ky_size, kx_size=kx_size, sy=sy, sx=sx, top=top,
                 left=left)
-    dims = [tirx.IntImm("int64", d) for d in out_dims]  # as Relax's shapes
-    operands = [te.placeholder(dims, "int32", "first"), te.placeholder(dims, dtype, "g")]
-    gather = te.create_prim_func([*operands, _window_gather(*operands, ins, **pool)])
-    # its own kernel: fused, a producer of g would run once per window reading it
-    gather = gather.without_attr("global_symbol").with_attr("op_pattern", 8)
-    gv = ctx.add_func(gather, "window_gather")
+    operands = [_placeholder(ins, dtype, "x"), _placeholder(out_dims, dtype, "pooled")]
+    gv = _opaque_kernel(ctx, operands, _window_argmax(*operands, **pool), "window_argmax")
+    first = ctx.emit(relax.call_tir(gv, relax.Tuple([x, ctx.normalize(y)]),
+                                    relax.TensorType(out_dims, "int32")))  # fmt: skip
+    operands = [_placeholder(out_dims, "int32", "first"), _placeholder(out_dims, dtype, "g")]
+    gv = _opaque_kernel(ctx, operands, _window_gather(*operands, ins, **pool), "window_gather")
     return ctx.emit(call_tir_with_grad(gv, relax.Tuple([first, grad]),
                                        relax.TensorType(ins, dtype), WINDOW_GATHER, pool))
 
@@ -335,6 +314,42 @@ WINDOW_GATHER = "relaxgrad.max_pool2d_window_gather"
 """The TE gradient of the overlapping max pool's gather (:func:`_window_gather`)."""
 
 
+def _placeholder(dims, dtype: str, name: str) -> te.Tensor:
+    return te.placeholder([tirx.IntImm("int64", d) for d in dims], dtype, name)  # as Relax's
+
+
+def _opaque_kernel(ctx, operands: list[te.Tensor], result: te.Tensor, name: str):
+    """Add the PrimFunc computing ``result`` from the placeholders ``operands``, kept out of
+    fusion (kOpaque): fused with its readers or producers, a gather runs them once per read."""
+    func = te.create_prim_func([*operands, result])
+    return ctx.add_func(func.without_attr("global_symbol").with_attr("op_pattern", 8), name)
+
+
+def _window_tap(index, k, ins, ay, ax, ky_size, kx_size, sy, sx, top, left, **_):
+    """``(position, inside)``: the position in ``x`` (dims ``ins``) of offset ``k`` (``ky *
+    kx_size + kx``) of the window at ``index``, and whether it lies in ``x`` (not the padding)."""
+    at = list(index)
+    at[ay] = index[ay] * sy + tirx.floordiv(k, kx_size) - top
+    at[ax] = index[ax] * sx + tirx.floormod(k, kx_size) - left
+    return at, tirx.all(at[ay] >= 0, at[ay] < ins[ay], at[ax] >= 0, at[ax] < ins[ax])
+
+
+def _window_argmax(x, pooled, **pool) -> te.Tensor:
+    """Per window, the least offset whose value equals the pooled output (``ky_size *
+    kx_size`` where none does), the padding reading as the dtype's least value (as
+    ``_windows`` pads)."""
+    ins, size = [int(d) for d in x.shape], pool["ky_size"] * pool["kx_size"]
+    fill = float(np.finfo(str(x.dtype)).min)
+
+    def value(*index):
+        first = tirx.const(size, "int32")
+        for k in reversed(range(size)):  # the least offset wins
+            at, inside = _window_tap(index, tirx.const(k, "int32"), ins, **pool)
+            first = tirx.Select(guarded(x, at, inside, fill) == pooled[index],
+                                tirx.const(k, "int32"), first)  # fmt: skip
+        return first
+
+    return te.compute(pooled.shape, value, name="window_argmax")
 def _window_gather(first, g, ins, ay, ax, ky_size, kx_size, sy, sx, top, left):
     """``dx`` of the overlapping max pool: each position of ``x`` (dims ``ins``) adds the ``g``
     of the windows whose first argmax (``first``: the offset ``ky * kx_size + kx``) it is. A
@@ -366,16 +381,13 @@ def _window_gather_grad(dx, first, g, ay, ax, ky_size, kx_size, sy, sx, top, lef
     """The gather's VJP: ``g`` of a window reads ``dx`` at its argmax (0 where there is none);
     the integer ``first`` gets zeros."""
     ins = [int(d) for d in dx.shape]
-    size = ky_size * kx_size
+    pool = dict(ay=ay, ax=ax, ky_size=ky_size, kx_size=kx_size, sy=sy, sx=sx, top=top,
+                left=left)
 
     def value(*index):
         k = first[index]
-        at = list(index)
-        at[ay] = index[ay] * sy + tirx.floordiv(k, kx_size) - top
-        at[ax] = index[ax] * sx + tirx.floormod(k, kx_size) - left
-        inside = tirx.all(k >= 0, k < size, at[ay] >= 0, at[ay] < ins[ay], at[ax] >= 0,
-                          at[ax] < ins[ax])  # fmt: skip
-        return guarded(dx, at, inside)
+        at, inside = _window_tap(index, k, ins, **pool)
+        return guarded(dx, at, tirx.all(k >= 0, k < ky_size * kx_size, inside))
 
     none = te.compute(first.shape, lambda *i: tirx.const(0, first.dtype), name="no_grad")
     return [none, te.compute(g.shape, value, name="window_gather_grad")]

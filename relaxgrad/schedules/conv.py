@@ -393,10 +393,8 @@ class _Rewriter(PyExprMutator):
                 # either end, which it selects 0 for, are in the buffer: rows in the image but
                 # the buffer's first and last (as im2col's, :func:`_padded`).
                 start = row * gw + left - axes[1]  # unclamped: the row's first column
-                dims = [int(d) for d in data.shape]
-                flat = sum(i * math.prod(dims[d + 1:]) for d, i in
-                           enumerate(at(b, tap_index, start)))  # fmt: skip
-                in_buffer = tirx.all(*inside_y, flat >= 0, flat + wd - 1 < math.prod(dims))
+                flat = _flat(data, at(b, tap_index, start))
+                in_buffer = tirx.all(*inside_y, flat >= 0, flat + wd - 1 < _size(data))
                 fast = tirx.Select(inside, data[at(b, tap_index, start + x)],
                                    tirx.const(0, data.dtype))  # fmt: skip
                 return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
@@ -470,15 +468,25 @@ def _padded(data, conv: _Params, b, ci, oy, ox, ky, kx):
     (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
     right = conv.padding[3]
     iy, ix = oy * sh + ky * dh - top, ox * sw + kx * dw - left
-    n, c, h, w = (int(v) for v in data.shape)
+    h, w = (int(v) for v in data.shape[2:])
     inside = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
     zero = tirx.const(0, data.dtype)
-    row = ((b * c + ci) * h + iy) * w  # the flat index of the row's first element
+    row = _flat(data, (b, ci, iy, 0))  # the row's first element
     row_reads_in_buffer = tirx.all(iy >= 0, iy < h, row - left >= 0,
-                                   row + w - 1 + right < n * c * h * w)
+                                   row + w - 1 + right < _size(data))
     fast = tirx.Select(inside, data[b, ci, iy, ix], zero)
     return tirx.if_then_else(row_reads_in_buffer, fast,
                              guarded(data, [b, ci, iy, ix], inside))
+
+
+def _flat(data: te.Tensor, indices) -> tirx.PrimExpr:
+    """The row-major flat index of ``indices`` (any of them past its dimension) in ``data``."""
+    dims = [int(d) for d in data.shape]
+    return sum(i * math.prod(dims[d + 1:]) for d, i in enumerate(indices))
+
+
+def _size(data: te.Tensor) -> int:
+    return math.prod(int(d) for d in data.shape)
 
 
 def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:

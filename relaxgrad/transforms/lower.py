@@ -25,18 +25,17 @@ __all__ = ["LowerCallTIRWithGrad", "lower_call_tir_with_grad"]
 class _Lower(PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if is_op(call, "relax.call_tir_with_grad"):
-            return relax.Call(Op.get("relax.call_tir"), call.args, None, call.ty_args)
-        return call
+        return _as_call_tir(call) if is_op(call, "relax.call_tir_with_grad") else call
 
 
-def _legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    """``FLegalize`` of ``call_tir_with_grad``: the same ``call_tir``."""
+def _as_call_tir(call: relax.Call) -> relax.Call:
+    """A ``call_tir_with_grad`` as the plain ``call_tir`` of the same PrimFunc and operands."""
     return relax.Call(Op.get("relax.call_tir"), call.args, None, call.ty_args)
 
 
 if Op.get("relax.call_tir_with_grad").get_attr("FLegalize") is None:
-    tvm.ir.register_op_attr("relax.call_tir_with_grad", "FLegalize", _legalize)
+    tvm.ir.register_op_attr("relax.call_tir_with_grad", "FLegalize",
+                            lambda bb, call: _as_call_tir(call))  # fmt: skip
     # LegalizeOps skips a call whose operands' shapes are not all known, and the PrimFunc's
     # GlobalVar has none
     tvm.ir.register_op_attr("relax.call_tir_with_grad", "RequiresArgumentShapes", False)

@@ -88,13 +88,14 @@ CHILD = textwrap.dedent(
         "max pool 3x3, stride 2, padding 1": (pool((2, 8, 8, 8), 3, 2, 1), {}),
     }
 
+    KERNELS = ("im2col", "col2im", "max_unpool", "window_argmax")
     rng = np.random.default_rng(0)
     for name, (mod, options) in CASES.items():
         rewritten = ConvToMatmul(**options)(mod)
         calls = [b.value for block in rewritten["main_adjoint"].body.blocks
                  for b in block.bindings if isinstance(b.value, relax.Call)
                  and b.value.op.same_as(tvm.ir.Op.get("relax.call_tir"))
-                 and b.value.args[0].name_hint.startswith(("im2col", "col2im", "max_unpool", "window_argmax"))]
+                 and b.value.args[0].name_hint.startswith(KERNELS)]
         assert calls, name
         for call in calls:
             gv, operands = call.args[0], list(call.args[1].fields)
