@@ -140,18 +140,22 @@ def _calls_sgemm(script: str) -> bool:
     return "R.call_tir(cls.sgemm" in script and blas.SGEMM in script
 
 
-@pytest.mark.parametrize("short_k", [False, True])
+@pytest.mark.parametrize("short_k, large", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product((False, True), repeat=2)))
-def test_summed_batch_of_products_is_one_call(trans_a, trans_b, short_k, monkeypatch):
+def test_summed_batch_of_products_is_one_call(trans_a, trans_b, short_k, large, monkeypatch):
     """``collapse_sum_to(matmul(a, b), (M, N))`` over 3-D operands whose ``k`` is not
     contiguous across the batch (a convolution's weight gradient, ``g[n] @ cols[n]^T``) is one
     call that accumulates the batch's products, transposes folded into its flags; where it is
     contiguous (``a`` transposed, ``b`` not), one gemm over the stacked rows. With ``short_k``
     (a ``k`` per batch under the threshold, a result over it), one gemm over ``k`` stacked
-    across the batch, the operands copied into that layout where needed."""
+    across the batch, the operands copied into that layout where needed. ``large``: a result
+    over the split-k bound, summed by rows or columns of it."""
     if short_k:  # thresholds scaled down to this test's sizes
         monkeypatch.setattr(blas, "_STACK_K_BELOW", 41)
         monkeypatch.setattr(blas, "_STACK_OUT_FROM", 24 * 36)
+    if large:
+        monkeypatch.setattr(blas, "_SPLIT_K_MAX_OUT", 24 * 36 - 1)
+        monkeypatch.setattr(blas, "_SPLIT_MACS", 0)
     batch, m, k, n = 5, 24, 40, 36
     a_shape = (batch, k, m) if trans_a else (batch, m, k)
     b_shape = (batch, n, k) if trans_b else (batch, k, n)
@@ -168,6 +172,7 @@ def test_summed_batch_of_products_is_one_call(trans_a, trans_b, short_k, monkeyp
     script = blas.MatmulToBLAS(min_macs=0)(mod).script()
     stacked = short_k or (trans_a and not trans_b)
     assert ("cls.sgemm_sum" in script) != stacked and "collapse_sum_to" not in script
+    assert ("partial" in script) == (not stacked and not large)  # split k: partial results
     copies = script.count("R.permute_dims")  # an operand whose k is last: batch axis moved
     assert copies == (short_k * ((not trans_a) + trans_b)) and "R.matmul" not in script
     rng = np.random.default_rng(3)
@@ -194,6 +199,28 @@ def test_summed_batch_over_threads(threads, m, n):
     lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
     want = sum(a[i] @ b[i].T for i in range(batch))
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("trans_a, trans_b", list(itertools.product((False, True), repeat=2)))
+@pytest.mark.parametrize("m, n", [(24, 37), (37, 24)])
+def test_summed_batch_by_rows_or_columns(threads, trans_a, trans_b, m, n, monkeypatch):
+    """A batch sum whose result is large (a 1x1 convolution's weight gradient, (256, 1024)):
+    each of 1-3 tasks takes rows of the result (columns where it is wider than tall) and
+    accumulates the batch's products into them; every transpose, uneven splits."""
+    monkeypatch.setattr(blas, "_SPLIT_MACS", 0)  # split this test's small product
+    batch, k = 5, 33
+    rng = np.random.default_rng(threads)
+    a = rng.standard_normal((batch, k, m) if trans_a else (batch, m, k)).astype("float32")
+    b = rng.standard_normal((batch, n, k) if trans_b else (batch, k, n)).astype("float32")
+    func = blas.gemm_func(a.shape, b.shape, (m, n), trans_a, trans_b, threads, summed=True)
+    assert "T.parallel" in func.script() or threads == 1
+    lib = tvm.compile(func.with_attr("global_symbol", "main"), target="llvm")
+    out = tvm.runtime.tensor(np.full((m, n), np.nan, "float32"))  # written, not accumulated
+    lib(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    lhs = np.swapaxes(a, 1, 2) if trans_a else a
+    rhs = np.swapaxes(b, 1, 2) if trans_b else b
+    np.testing.assert_allclose(out.numpy(), (lhs @ rhs).sum(0), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("summed", [True, False])
