@@ -273,7 +273,10 @@ def cpu_pipeline(
     legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
-    drops the gradient's aliases ``a_adjoint = b``, :class:`DuplicateCheapProducers` and
+    drops the gradient's aliases ``a_adjoint = b``, ``DeadCodeElimination``, which drops the
+    tuples of a rewritten batch norm's results that nothing reads: such a tuple kept the
+    normalized output from being recomputed where relu's gradient reads it, so relu ran as a
+    kernel of its own and the output went through memory, :class:`DuplicateCheapProducers` and
     :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it,
     :class:`FuseRowGroups` after ``FuseTIR``), then serial loops over ``sinh`` and ``cosh``,
     which LLVM cannot build vectorized, and over blocks of several results, which TVM builds
@@ -302,6 +305,7 @@ def cpu_pipeline(
         "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),
+            relax.transform.DeadCodeElimination(),
             DuplicateCheapProducers(),
             FuseRowReductions(min_rows),
         ],

@@ -13,6 +13,7 @@ from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
+from relaxgrad.pipeline import cpu_pipeline, host_target
 from relaxgrad.schedules import ShareStatistics
 
 
@@ -80,3 +81,61 @@ def test_statistics_are_computed_once():
     assert "R.nn.batch_norm" not in script and "R.variance" not in script
     assert len(means_of_x) == 1 and script.count("R.mean(") == 2
     assert script.count("R.rsqrt(") == 1
+
+
+def _bn_relu_module(shape):
+    """``main(x, gamma, beta, mean, var)``: ``sum(relu(batch_norm(x)) * w)`` in training mode
+    and the new running statistics; its gradient with respect to ``x``, gamma and beta."""
+    channels = shape[1]
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    params = [relax.Var(n, relax.TensorType((channels,), "float32"))
+              for n in ("gamma", "beta", "mean", "var")]  # fmt: skip
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *params]):
+        with bb.dataflow():
+            bn = bb.emit(op.nn.batch_norm(x, *params, axis=1, momentum=0.1, epsilon=1e-5))
+            r = bb.emit(op.nn.relu(relax.TupleGetItem(bn, 0)))
+            weights = np.random.default_rng(0).standard_normal(shape).astype("float32")
+            loss = bb.emit(op.sum(op.multiply(r, relax.const(weights))))
+            outs = [bb.emit_output(v) for v in (loss, relax.TupleGetItem(bn, 1),
+                                                relax.TupleGetItem(bn, 2))]  # fmt: skip
+        bb.emit_func_output(relax.Tuple(outs))
+    mod = bb.get()
+    return relaxgrad.Gradient("main", require_grads=mod["main"].params[:3], target_index=0)(mod)
+
+
+def test_relu_after_batch_norm_fuses_into_the_normalization():
+    """Training-mode ``relu(batch_norm(x))``: the running statistics' tuple does not keep the
+    normalized ``y`` alive, so ``y`` is recomputed from ``x`` where relu's gradient reads it:
+    relu runs in the normalization's kernel, and ``y`` is never written (one pass over the
+    activation less each way). The values are TVM's own compile's, and PyTorch's gradient."""
+    import torch
+
+    shape = (4, 8, 6, 5)
+    mod = _bn_relu_module(shape)
+    with host_target() as target:
+        fused = tvm.transform.Sequential(list(cpu_pipeline(target).passes)[:18])(mod)
+    kernels = re.findall(r"R\.call_tir\((\w+)", fused["main_adjoint"].script())
+    normalized = [k for k in kernels if "rsqrt" in k and "relu" in k]
+    masks = [k for k in kernels if "where" in k]
+    assert normalized and "relu" not in kernels and all("rsqrt" in k for k in masks), kernels
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal(shape).astype("float32") * 2 + 1,
+              *(rng.standard_normal(8).astype("float32") for _ in range(3)),
+              rng.uniform(0.5, 2, 8).astype("float32")]  # fmt: skip
+
+    def run(executable):
+        vm = relax.VirtualMachine(executable, tvm.cpu())
+        outs, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
+        return [t.numpy() for t in (*outs, *grads)]
+
+    want = run(tvm.compile(mod, "llvm"))
+    got = run(relaxgrad.compile(mod))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
+    x, gamma, beta = (torch.tensor(a, requires_grad=True) for a in inputs[:3])
+    weights = torch.tensor(np.random.default_rng(0).standard_normal(shape).astype("float32"))
+    y = torch.nn.functional.batch_norm(x, None, None, gamma, beta, training=True, eps=1e-5)
+    (torch.relu(y) * weights).sum().backward()
+    for g, t in zip(got[3:], (x, gamma, beta), strict=True):
+        np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-4, atol=1e-4)
