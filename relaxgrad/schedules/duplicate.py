@@ -8,8 +8,10 @@ read back, and ``relu`` runs as a kernel of its own; a normalization's gradient 
 ``c = x - mean`` in two reductions and an elementwise kernel. :class:`DuplicateCheapProducers`
 gives each further reader (elementwise, injective or a reduction, all of which fuse their
 elementwise producers) its own copy of such a producer (an elementwise or broadcast PrimFunc
-with one operand of the result's size, the others smaller): each copy fuses into its reader,
-and ``x`` is kept instead of ``t`` (the same size), so the memory does not grow. A copy reads
+with one operand of the result's size, the others smaller, or a reshape: a GELU's input, the
+bias sum reshaped from the gemm's rows, is read by GELU and by its gradient): each copy fuses
+into its reader, and ``x`` is kept instead of ``t`` (the same size), so the memory does not
+grow. A copy reads
 its producer's operands, so one of them that is itself such a producer gains a reader; rounds
 repeat until none is copied (batch norm's gradient: ``c * rstd`` copied, then ``c``).
 """
@@ -27,6 +29,7 @@ from ._common import static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
+_ELEMWISE, _INJECTIVE = 0, 2
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
@@ -59,11 +62,16 @@ class DuplicateCheapProducers:
 
 
 def _patterns(mod: IRModule) -> dict:
-    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
+    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar; a reshape
+    (``has_reshape_pattern``: the same elements in the same order, an injective op) counts as
+    elementwise, which it is but for its indices."""
     patterns = {}
     for gvar, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs:
-            patterns[gvar] = int(func.attrs["op_pattern"])
+            pattern = int(func.attrs["op_pattern"])
+            if pattern == _INJECTIVE and relax.analysis.has_reshape_pattern(func):
+                pattern = _ELEMWISE
+            patterns[gvar] = pattern
     return patterns
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 import tvm
 from tvm import relax
 from tvm.relax import op
@@ -117,3 +118,30 @@ def test_a_copy_reading_a_cheap_producer_gets_its_own_copy_too():
     np.testing.assert_allclose(squares, (c * c).sum(0), rtol=1e-5)
     np.testing.assert_allclose(total, (c * xs[2]).sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(scaled, c * xs[2] * xs[3], rtol=1e-5)
+
+
+def test_a_reshape_read_twice_is_recomputed_with_its_producer():
+    """A feed-forward layer's GELU input: ``t = reshape(h + bias)`` (the gemm's rows back to
+    ``(batch, seq, ffn)``) read by GELU and by GELU's gradient. The reshape counts as
+    elementwise: both it and the bias sum are copied into each reader's kernel, so ``t`` is
+    never written; a transpose (not the same elements in the same order) is kept."""
+
+    def body(bb, h, bias, g, permute=False):
+        s = bb.emit(op.add(h, bias))
+        t = bb.emit(op.permute_dims(s, [1, 0]) if permute else op.reshape(s, (4, 16, 96)))
+        return relax.Tuple([bb.emit(op.nn.gelu(t)), bb.emit(op.multiply(t, g))])
+
+    shapes = [(64, 96), (96,), (4, 16, 96)]
+    mod = _module(shapes, body)
+    assert "fused_add_reshape" in _kernels(mod, False)  # t written, then read twice
+    fused = _kernels(mod, True)
+    assert len(fused) == 2 and all(name.startswith("fused_add_reshape") for name in fused)
+    transposed = _module([(64, 96), (96,), (96, 64)], lambda *a: body(*a, permute=True))
+    assert _kernels(transposed, True) == _kernels(transposed, False)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    gelu, scaled = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    t = torch.from_numpy((xs[0] + xs[1]).reshape(4, 16, 96))
+    np.testing.assert_allclose(gelu, torch.nn.functional.gelu(t).numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(scaled, t.numpy() * xs[2], rtol=1e-6)
