@@ -246,13 +246,14 @@ class _Rewriter(PyExprMutator):
             return op.reshape(windows, shapes[1])
         return self._emit_te(unpool, [g, index], "max_unpool")
 
-    def _emit_te(self, compute, args, name: str, vectorize: bool = True) -> relax.Var:
-        """Emit ``compute`` as an unfusable PrimFunc called with ``args``."""
+    def _emit_te(self, compute, args, name: str, vectorize: bool = True, phases: int = 1):
+        """Emit ``compute`` as an unfusable PrimFunc called with ``args`` (its last axis the
+        ``phases`` of a strided one, see :func:`_schedule`)."""
         placeholders = [te.placeholder(static_shape(a), _ty.dtype_of(a), f"in{i}")
                         for i, a in enumerate(args)]  # fmt: skip
         out = compute(*placeholders)
         func = te.create_prim_func([*placeholders, out]).without_attr("global_symbol")
-        func = _schedule(func, vectorize)
+        func = _schedule(func, vectorize, phases)
         func = func.with_attr("op_pattern", OPAQUE)  # FuseOps leaves the gather/scatter unfused
         gvar = self.builder_.add_func(func, name)
         out_type = relax.TensorType([int(d) for d in out.shape], out.dtype)
@@ -353,6 +354,12 @@ class _Rewriter(PyExprMutator):
                 return op.permute_dims(op.reshape(cols, (c, n, h, wd)), [1, 0, 2, 3])
             return op.reshape(cols, dx_shape)
         (sh, sw), (dh, dw), (top, left) = conv.strides, conv.dilation, conv.padding[:2]
+        # A stride along the rows (dilation 1, dividing them): the row's positions by their
+        # phase modulo the stride, x = i * sw + phase, computed as dims (i, phase) reshaped to
+        # the row: for a constant phase, the tap and the window are i plus constants, so each
+        # phase reads plain rows of the columns instead of a gather (8x128x56x56 at stride 2:
+        # 4.8 -> 2.0 ms; 8x256x28x28: 2.9 -> 1.8 ms)
+        phases = sw if sw > 1 and dw == 1 and wd % sw == 0 else 1
 
         def col2im(data):
             # Per axis, the taps that reach a position: with dilation 1, those of its residue
@@ -399,18 +406,36 @@ class _Rewriter(PyExprMutator):
                                    tirx.const(0, data.dtype))  # fmt: skip
                 return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
 
+            if phases > 1:
+                return te.compute((n, c, h, wd // phases, phases),
+                                  lambda b, ci, y, i, p: value(b, ci, y, i * sw + p),
+                                  name="col2im")  # fmt: skip
             return te.compute((n, c, h, wd), value, name="col2im")
 
+        if phases > 1:
+            dx = self._emit_te(col2im, [cols], "col2im", phases=phases)
+            return op.reshape(dx, dx_shape)
         return self._emit_te(col2im, [cols], "col2im")
 
 
-def _schedule(func: tirx.PrimFunc, vectorize: bool) -> tirx.PrimFunc:
+def _schedule(func: tirx.PrimFunc, vectorize: bool, phases: int = 1) -> tirx.PrimFunc:
     """Threads over the outer loops, SIMD over the innermost output dim (contiguous reads of
-    the image rows for stride 1); a reduction's taps go between them."""
+    the image rows for stride 1); a reduction's taps go between them. ``phases`` > 1: the
+    last output dim is a row's phase modulo a stride, unrolled inside the loop along the row,
+    whose stores LLVM vectorizes as interleaved groups."""
     sch = s_tir.Schedule(func)
     (block,) = sch.get_child_blocks(sch.get_sblock("root"))
     loops = sch.get_loops(block)
     spatial = [v for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar]
+    if phases > 1:
+        outer, taps = loops[: len(spatial) - 2], loops[len(spatial) :]
+        along, phase = loops[len(spatial) - 2 : len(spatial)]
+        sch.reorder(*outer, *taps, along, phase)
+        sch.parallel(sch.fuse(*outer))
+        sch.unroll(phase)
+        if taps:
+            sch.decompose_reduction(block, taps[0])
+        return sch.mod["main"].with_attr("tirx.is_scheduled", True)
     outer, inner, taps = loops[: len(spatial) - 1], loops[len(spatial) - 1], loops[len(spatial) :]
     if taps:
         sch.reorder(*outer, *taps, inner)

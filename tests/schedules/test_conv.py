@@ -21,6 +21,9 @@ CASES = [
     ((2, 3, 7, 6), (4, 3, 3, 2), dict(strides=2, padding=(1, 0, 2, 1))),
     ((1, 2, 9, 9), (3, 2, 3, 3), dict(dilation=2, padding=1)),
     ((1, 2, 9, 8), (3, 2, 3, 3), dict(dilation=(2, 1), strides=(1, 3))),
+    # stride 3 along the rows, dividing them: col2im by the rows' 3 phases ...
+    ((1, 2, 9, 9), (3, 2, 3, 3), dict(dilation=(2, 1), strides=(1, 3), padding=(0, 1))),
+    ((2, 3, 8, 8), (4, 3, 3, 3), dict(dilation=(1, 2), strides=2, padding=2)),  # ... not dilated
     ((4, 8, 12, 12), (16, 8, 3, 3), dict(padding=1)),  # matmuls large enough for BLAS
     ((2, 8, 5, 5), (6, 8, 1, 1), {}),  # 1x1: no im2col or col2im, the image is the columns
     ((4, 32, 12, 12), (64, 32, 1, 1), {}),  # ... with BLAS
