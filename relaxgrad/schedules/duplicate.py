@@ -11,9 +11,9 @@ elementwise producers) its own copy of such a producer (an elementwise or broadc
 with one operand of the result's size, the others smaller, or a reshape: a GELU's input, the
 bias sum reshaped from the gemm's rows, is read by GELU and by its gradient): each copy fuses
 into its reader, and ``x`` is kept instead of ``t`` (the same size), so the memory does not
-grow. A copy reads
-its producer's operands, so one of them that is itself such a producer gains a reader; rounds
-repeat until none is copied (batch norm's gradient: ``c * rstd`` copied, then ``c``).
+grow. A copy reads its producer's operands, so one of them that is itself such a producer
+gains a reader; rounds repeat until none is copied (batch norm's gradient: ``c * rstd``
+copied, then ``c``).
 """
 
 from __future__ import annotations
