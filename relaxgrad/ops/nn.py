@@ -350,6 +350,8 @@ def _window_argmax(x, pooled, **pool) -> te.Tensor:
         return first
 
     return te.compute(pooled.shape, value, name="window_argmax")
+
+
 def _window_gather(first, g, ins, ay, ax, ky_size, kx_size, sy, sx, top, left):
     """``dx`` of the overlapping max pool: each position of ``x`` (dims ``ins``) adds the ``g``
     of the windows whose first argmax (``first``: the offset ``ky * kx_size + kx``) it is. A
@@ -377,17 +379,15 @@ def _window_gather(first, g, ins, ay, ax, ky_size, kx_size, sy, sx, top, left):
 
 
 @register_te_gradient(WINDOW_GATHER)
-def _window_gather_grad(dx, first, g, ay, ax, ky_size, kx_size, sy, sx, top, left):
+def _window_gather_grad(dx, first, g, **pool):
     """The gather's VJP: ``g`` of a window reads ``dx`` at its argmax (0 where there is none);
-    the integer ``first`` gets zeros."""
-    ins = [int(d) for d in dx.shape]
-    pool = dict(ay=ay, ax=ax, ky_size=ky_size, kx_size=kx_size, sy=sy, sx=sx, top=top,
-                left=left)
+    the integer ``first`` gets zeros. ``pool``: the gather's ``te_grad_kwargs``."""
+    ins, size = [int(d) for d in dx.shape], pool["ky_size"] * pool["kx_size"]
 
     def value(*index):
         k = first[index]
         at, inside = _window_tap(index, k, ins, **pool)
-        return guarded(dx, at, tirx.all(k >= 0, k < ky_size * kx_size, inside))
+        return guarded(dx, at, tirx.all(k >= 0, k < size, inside))
 
     none = te.compute(first.shape, lambda *i: tirx.const(0, first.dtype), name="no_grad")
     return [none, te.compute(g.shape, value, name="window_gather_grad")]

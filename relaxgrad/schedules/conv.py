@@ -427,25 +427,19 @@ def _schedule(func: tirx.PrimFunc, vectorize: bool, phases: int = 1) -> tirx.Pri
     (block,) = sch.get_child_blocks(sch.get_sblock("root"))
     loops = sch.get_loops(block)
     spatial = [v for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar]
-    if phases > 1:
-        outer, taps = loops[: len(spatial) - 2], loops[len(spatial) :]
-        along, phase = loops[len(spatial) - 2 : len(spatial)]
-        sch.reorder(*outer, *taps, along, phase)
-        sch.parallel(sch.fuse(*outer))
-        sch.unroll(phase)
-        if taps:
-            sch.decompose_reduction(block, taps[0])
-        return sch.mod["main"].with_attr("tirx.is_scheduled", True)
-    outer, inner, taps = loops[: len(spatial) - 1], loops[len(spatial) - 1], loops[len(spatial) :]
-    if taps:
-        sch.reorder(*outer, *taps, inner)
+    rows = len(spatial) - (2 if phases > 1 else 1)  # the loops over whole rows
+    outer, inner, taps = loops[:rows], loops[rows : len(spatial)], loops[len(spatial) :]
+    if taps or phases > 1:
+        sch.reorder(*outer, *taps, *inner)
     sch.parallel(sch.fuse(*outer))
     target = Target.current(allow_none=True)
-    if vectorize and target is not None and target.kind.name == "llvm":
+    if phases > 1:  # (along the row, phase): LLVM vectorizes the row
+        sch.unroll(inner[1])
+    elif vectorize and target is not None and target.kind.name == "llvm":
         dtype = sch.get(block).writes[0].source.dtype
-        _vectorize_unrolled(sch, inner, _vector_lanes(target, dtype))
+        _vectorize_unrolled(sch, inner[0], _vector_lanes(target, dtype))
     elif vectorize:
-        sch.vectorize(inner)
+        sch.vectorize(inner[0])
     if taps:
         sch.decompose_reduction(block, taps[0])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
