@@ -57,6 +57,7 @@ from .schedules import (
 )
 from .schedules._common import is_gpu
 from .schedules.cpu import forget_inlined
+from .schedules.scatter import legalize_take_backward
 from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PlanBlockMemory
@@ -290,7 +291,8 @@ def cpu_pipeline(
 
     Legalization is :class:`LegalizeOpsOnce`: ``LegalizeOps`` with each operator's
     legalization reused for the later calls of the same kind (same PrimFuncs, half the time on
-    a transformer's adjoint).
+    a transformer's adjoint), and ``take_backward`` (an embedding's gradient) as a parallel
+    scatter-add (:mod:`relaxgrad.schedules.scatter`) instead of TVM's serial loops.
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -311,7 +313,7 @@ def cpu_pipeline(
         ],
         after_fusing=[FuseColumnSums(min_rows)],
         after_fusing_tir=[FuseRowGroups(min_rows)],
-        legalize=LegalizeOpsOnce(),
+        legalize=LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward}),
     )  # fmt: skip
 
 

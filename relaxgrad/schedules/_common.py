@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 from collections.abc import Callable
 
 import tvm
@@ -9,6 +11,7 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprVisitor, visitor
+from tvm.script.parser.core.entry import parse
 from tvm.target import Target
 
 from .. import _ty
@@ -16,6 +19,28 @@ from .. import _ty
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
 COMM_REDUCE, INJECTIVE, OPAQUE = 3, 2, 8  # relax's OpPatternKind
 SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
+
+
+def parsed_script(template: Callable, values: dict) -> tirx.PrimFunc:
+    """The PrimFunc of ``template``'s TVMScript (a function holding one ``@T.prim_func``, its
+    keyword parameters the script's values, never called) for ``values``.
+
+    The script is parsed from its text with the values, and the globals of ``template``'s
+    module, as variables, rather than by running ``@T.prim_func`` on a nested function per
+    call: that decorator, and TVMScript macros, walk the Python stack reading each frame's
+    source (``inspect.stack()``), which inside a compile (deep stacks, torch loaded) took tens
+    of milliseconds per function."""
+    if template not in _SCRIPTS:
+        source = inspect.getsource(template)
+        body = textwrap.dedent(source[source.index("    @T.prim_func"):])
+        _SCRIPTS[template] = "@T.prim_func" + body[body.index("\n"):]
+    names = inspect.signature(template).parameters
+    extra = {**template.__globals__, **{name: values[name] for name in names}}
+    func = parse(_SCRIPTS[template], extra_vars=extra, check_well_formed=False)
+    return func.without_attr("global_symbol")
+
+
+_SCRIPTS: dict = {}
 
 
 def is_gpu(target: Target) -> bool:

@@ -33,11 +33,9 @@ MLP trained on one batch for 30 steps: its adjoint took 5x its forward instead o
 from __future__ import annotations
 
 import ctypes
-import inspect
 import math
 import os
 import platform
-import textwrap
 
 import tvm
 from tvm import relax, tirx
@@ -51,6 +49,7 @@ from ._common import (
     OPAQUE,
     bound_values,
     may_change,
+    parsed_script,
     read_counts,
     rebind,
     rewrite_functions,
@@ -160,7 +159,7 @@ def _gemm_func_script(
     col_step, flag_a, flag_b, flush, k, lda, ldb, m, n, out_shape, out_size, parallel, row_step,
     set_threads, step, sums, symbol, tasks,
 ):  # fmt: skip
-    """The TVMScript of :func:`gemm_func`, read by :func:`_parsed` (never called)."""
+    """The TVMScript of :func:`gemm_func`, read by :func:`parsed_script` (never called)."""
 
     @T.prim_func(private=True, check_well_formed=False)
     def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
@@ -200,27 +199,6 @@ def _gemm_func_script(
             if flush:
                 T.evaluate(_mxcsr("ldmxcsr", csr, 1))
 
-
-
-def _parsed(template, values: dict) -> tirx.PrimFunc:
-    """The PrimFunc of ``template``'s TVMScript for ``values`` (its parameters' values).
-
-    The script is parsed from its text with the values as variables, rather than by running
-    ``@T.prim_func`` on a nested function per call: that decorator, and TVMScript macros, walk
-    the Python stack reading each frame's source (``inspect.stack()``), which inside a compile
-    (deep stacks, torch loaded) took tens of milliseconds per gemm function."""
-    if template not in _SCRIPTS:
-        source = inspect.getsource(template)
-        body = textwrap.dedent(source[source.index("    @T.prim_func"):])
-        _SCRIPTS[template] = "@T.prim_func" + body[body.index("\n"):]
-    names = inspect.signature(template).parameters
-    extra = {"T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "_ROW_MAJOR": _ROW_MAJOR,
-             "OPAQUE": OPAQUE, **{name: values[name] for name in names}}  # fmt: skip
-    func = parse(_SCRIPTS[template], extra_vars=extra, check_well_formed=False)
-    return func.without_attr("global_symbol")
-
-
-_SCRIPTS: dict = {}
 
 
 def gemm_func(
@@ -264,14 +242,14 @@ def gemm_func(
     set_threads = _SET_THREADS
     row_step, col_step = (0, step) if by_cols else (step, 0)
 
-    return _parsed(_gemm_func_script, locals())
+    return parsed_script(_gemm_func_script, locals())
 
 
 def _split_k_func_script(
     *, a_shape, a_size, a_step, b_shape, b_size, b_step, flag_a, flag_b, flush, k_total, lda,
     ldb, m, n, out_shape, out_size, per_task, piece, pieces, set_threads, swap, symbol, tasks,
 ):  # fmt: skip
-    """The TVMScript of :func:`_split_k_func`, read by :func:`_parsed` (never called)."""
+    """The TVMScript of :func:`_split_k_func`, read by :func:`parsed_script` (never called)."""
 
     @T.prim_func(private=True, check_well_formed=False)
     def gemm(a_handle: T.handle, b_handle: T.handle, out_handle: T.handle):
@@ -353,7 +331,7 @@ def _split_k_func(
     a_size, b_size = math.prod(a_shape), math.prod(b_shape)
     symbol, out_size, flush, set_threads = SGEMM, m * n, FLUSH_DENORMALS, _SET_THREADS
 
-    return _parsed(_split_k_func_script, locals())
+    return parsed_script(_split_k_func_script, locals())
 
 
 def _head_gemm(a, b, out, index, symbol, shape, flags, leading, heads, out_batch, column):
@@ -397,7 +375,7 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
         extra[f"range{i}"] = (start, start + batch * heads)
         column, start = column + heads * n, start + batch * heads
     lines = [
-        "@T.prim_func",  # not T.prim_func(...): see _parsed
+        "@T.prim_func",  # not T.prim_func(...): see parsed_script
         f"def heads({', '.join(params)}, out_handle: T.handle):",
         '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})',
         *matched,

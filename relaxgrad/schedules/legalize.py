@@ -10,7 +10,8 @@ legalization). :class:`LegalizeOpsOnce` runs ``LegalizeOps`` with each legalizat
 wrapped: a call whose operands are all vars of tensors of static shape, like an earlier call
 legalized into ``call_tir`` of a PrimFunc of those operands (as they were, no other binding
 emitted), is legalized into ``call_tir`` of that PrimFunc on its own operands. Everything else
-is legalized as ``LegalizeOps`` does.
+is legalized as ``LegalizeOps`` does, or by the legalization given for its operator in
+``overrides`` (the CPU pipeline's parallel ``take_backward``, :mod:`.scatter`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ _CALL_TIR = Op.get("relax.call_tir")
 class LegalizeOpsOnce:
     """``relax.transform.LegalizeOps`` with each legalization reused for the later calls of the
     same operator, attributes and operand types (see the module docstring). ``reused`` counts
-    the calls of the last run legalized that way."""
+    the calls of the last run legalized that way. ``overrides``: operator name -> ``FLegalize``
+    used instead of the operator's own."""
 
-    def __init__(self):
+    def __init__(self, overrides: dict | None = None):
         self.reused = 0
+        self.overrides = dict(overrides or {})
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        legalizers = [_Once(name, legalize) for name, legalize in _legalizers(mod)]
+        found = _legalizers(mod)
+        legalizers = [_Once(name, self.overrides.get(name, legalize)) for name, legalize in found]
         mod = relax.transform.LegalizeOps({once.name: once for once in legalizers})(mod)
         self.reused = sum(once.reused for once in legalizers)
         return mod

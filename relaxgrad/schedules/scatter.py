@@ -1,0 +1,92 @@
+"""``relax.grad.take_backward`` (an embedding's gradient) as a parallel scatter-add (CPU).
+
+TVM legalizes ``take_backward(g, x, indices, axis)`` into one serial loop nest: zero the
+result, then, for each column of the rows after ``axis``, add every index's row of ``g`` into
+it. The inner loop walks ``g`` down a column (a stride of a whole row per step): BERT-base's
+token-type embedding (2 x 768, from 1024 rows) took 2.4 ms per step for 0.8 M additions, and
+its word embedding's (30522 x 768) 4.5 ms, mostly zeroing 94 MB on one thread.
+
+:func:`legalize_take_backward` builds, for static shapes, a PrimFunc that zeroes the result
+in a parallel loop over its rows, then splits the columns after ``axis`` into ``THREADS``
+parallel strips: each task adds every index's row of ``g`` into its strip, along the rows
+(contiguous, vectorized). Tasks write disjoint strips, so no two add into the same element.
+Indices outside ``[0, x.shape[axis])`` add nothing (TVM's writes out of bounds).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import relax, tirx
+from tvm.ir import Op
+from tvm.script import tirx as T
+
+from . import blas
+from ._common import OPAQUE, parsed_script, static_shape
+
+_LANES = 16  # columns of a strip are a multiple of this where the rows are that long
+_PARALLEL_FROM = 1 << 15  # elements of the result (or of g) from which the loops run parallel
+
+
+def _take_backward_script(
+    *, chunks, cols, dtype, g_shape, g_size, index_dtype, length, out_shape, out_size, parallel,
+    pre, rows, step, x_shape,
+):  # fmt: skip
+    """The TVMScript of :func:`take_backward_func`, read by :func:`parsed_script` (never
+    called)."""
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def take_backward(g_handle: T.handle, x_handle: T.handle, i_handle: T.handle,
+                      out_handle: T.handle):  # fmt: skip
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        g = T.match_buffer(g_handle, g_shape, dtype)
+        T.match_buffer(x_handle, x_shape, dtype)
+        indices = T.match_buffer(i_handle, (length,), index_dtype)
+        out = T.match_buffer(out_handle, out_shape, dtype)
+        g_flat = T.decl_buffer((g_size,), dtype, data=g.data)
+        out_flat = T.decl_buffer((out_size,), dtype, data=out.data)
+        for row in T.parallel(pre * rows) if parallel else T.serial(pre * rows):
+            for col in range(cols):
+                out_flat[row * cols + col] = T.Cast(dtype, 0)
+        for task in T.parallel(pre * chunks) if parallel else T.serial(pre * chunks):
+            p = task // chunks
+            start = task % chunks * step
+            for position in range(length):
+                index = T.Cast("int64", indices[position])
+                if index >= 0 and index < rows:
+                    for col in range(T.min(step, cols - start)):
+                        out_flat[(p * rows + index) * cols + start + col] = (
+                            out_flat[(p * rows + index) * cols + start + col]
+                            + g_flat[(p * length + position) * cols + start + col]
+                        )
+
+
+def take_backward_func(g_shape, x_shape, length: int, axis: int, dtype: str, index_dtype: str,
+                       threads: int | None = None) -> tirx.PrimFunc:  # fmt: skip
+    """The PrimFunc ``(g, x, indices, out)`` of ``take_backward`` along ``axis`` of ``x``
+    (``x_shape``) with ``length`` 1-D indices, in ``threads`` strips of columns at most
+    (:data:`blas.THREADS` by default)."""
+    threads = blas.THREADS if threads is None else threads
+    pre, rows, cols = math.prod(x_shape[:axis]), x_shape[axis], math.prod(x_shape[axis + 1 :])
+    step = -(-cols // threads)
+    if cols >= _LANES * threads:
+        step = -(-step // _LANES) * _LANES
+    chunks = -(-cols // step)
+    out_shape, out_size = x_shape, math.prod(x_shape)
+    g_size = math.prod(g_shape)
+    parallel = max(out_size, g_size) >= _PARALLEL_FROM
+    return parsed_script(_take_backward_script, locals())
+
+
+def legalize_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``take_backward``'s legalization: :func:`take_backward_func` along an axis with static
+    shapes, else TVM's."""
+    g, x, indices = call.args
+    g_shape, x_shape, index_shape = static_shape(g), static_shape(x), static_shape(indices)
+    shapes = (g_shape, x_shape, index_shape)
+    if call.attrs.axis is None or any(s is None for s in shapes) or len(index_shape) != 1:
+        return Op.get("relax.grad.take_backward").get_attr("FLegalize")(bb, call)
+    axis, dtype = int(call.attrs.axis) % len(x_shape), x.ty.dtype
+    func = take_backward_func(g_shape, x_shape, index_shape[0], axis, dtype, indices.ty.dtype)
+    gvar = bb.add_func(func, "take_backward")
+    return relax.call_tir(gvar, [g, x, indices], relax.TensorType(x_shape, dtype))
