@@ -503,6 +503,9 @@ class _TransposedProducts(PyExprMutator):
             return super().visit_call_(call)
         if self.uses.get(product, 0) != 1 or not _float32(product):
             return super().visit_call_(call)
+        base, regrouped = _through_batch_views(self, product, self.uses)
+        if base is not product:  # a product read through views of its batch
+            return self._swapped_views(call, base, regrouped)
         bound = self.lookup_binding(self.visit_expr(product))
         summed = _is(bound, self.collapse)
         inner = self.lookup_binding(bound.args[0]) if summed else bound
@@ -513,6 +516,20 @@ class _TransposedProducts(PyExprMutator):
         if summed:
             return relax.op.collapse_sum_to(swapped, relax.ShapeExpr(shape[:-2] + shape[-1:-3:-1]))
         return swapped
+
+    def _swapped_views(self, call: relax.Call, base: relax.Var, regrouped: bool) -> relax.Expr:
+        """``call``, ``permute_dims`` of views of ``base`` (:func:`_through_batch_views`), as
+        the swapped product reshaped, where ``base`` is a product read only there."""
+        bound = self.lookup_binding(base)
+        if self.uses.get(base, 0) != 1 or not _is(bound, self.matmul):
+            return super().visit_call_(call)
+        if any(static_shape(x) is None for x in bound.args):
+            return super().visit_call_(call)
+        a, b = bound.args
+        swapped = relax.op.matmul(self._transposed(b), self._transposed(a))
+        if not regrouped:
+            return swapped
+        return relax.op.reshape(self.builder_.emit(swapped), static_shape(call))
 
     def _transposed(self, x: relax.Expr) -> relax.Expr:
         """``x`` with its last two axes swapped: the operand of its ``permute_dims``, or a new
@@ -971,11 +988,51 @@ class _SummedProducts(PyExprMutator):
 
 def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bool]:
     """``(y, True)`` when ``x`` is bound to ``permute_dims(y)`` swapping only the last two
-    axes, else ``(x, False)``."""
-    bound = mutator.lookup_binding(x) if isinstance(x, relax.Var) else None
-    if _is(bound, Op.get("relax.permute_dims")) and _swaps_last_two(bound, len(static_shape(x))):
-        return bound.args[0], True
-    return x, False
+    axes, also through reshapes regrouping only the axes before them and identities
+    (``broadcast_to`` or ``collapse_sum_to`` to the same shape): an attention's keys,
+    transposed per head then reshaped to one batch axis, where ``y`` is reshaped likewise
+    (which copies nothing). Two such swaps cancel: ``(y, False)`` for the keys transposed back
+    in the gradient. Else ``(x, False)``."""
+    y, swaps = x, 0
+    while True:
+        y, _ = _through_batch_views(mutator, y)
+        bound = mutator.lookup_binding(y) if isinstance(y, relax.Var) else None
+        if not _is(bound, Op.get("relax.permute_dims")):
+            break
+        if not _swaps_last_two(bound, len(static_shape(y))):
+            break
+        y, swaps = bound.args[0], swaps + 1
+    if swaps == 0:
+        return x, False
+    shape = static_shape(x)[:-2] + static_shape(y)[-2:]
+    if static_shape(y) != shape:
+        y = mutator.builder_.emit(relax.op.reshape(y, shape))
+    return y, swaps % 2 == 1
+
+
+def _through_batch_views(
+    mutator: PyExprMutator, x: relax.Expr, uses: dict | None = None
+) -> tuple[relax.Expr, bool]:
+    """The var that ``x`` is a view of through reshapes keeping its last two axes and
+    ``broadcast_to`` / ``collapse_sum_to`` to the same shape (each view read only once where
+    ``uses``, read counts, are given), and whether a reshape was among them."""
+    shape, regrouped = static_shape(x), False
+    ops = {Op.get(f"relax.{name}") for name in ("reshape", "broadcast_to", "collapse_sum_to")}
+    while shape is not None and len(shape) >= 2 and isinstance(x, relax.Var):
+        if uses is not None and uses.get(x, 0) != 1:
+            break
+        bound = mutator.lookup_binding(x)
+        if not (isinstance(bound, relax.Call) and any(bound.op.same_as(op) for op in ops)):
+            break
+        inner = bound.args[0]
+        inner_shape = static_shape(inner)
+        if inner_shape is None or len(inner_shape) < 2 or inner_shape[-2:] != shape[-2:]:
+            break
+        if not _is(bound, Op.get("relax.reshape")) and inner_shape != shape:
+            break
+        regrouped |= inner_shape != shape
+        x, shape = inner, inner_shape
+    return x, regrouped
 
 
 def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:

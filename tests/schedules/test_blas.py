@@ -251,6 +251,47 @@ def test_transposed_product_is_computed_in_place(summed):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
+def _attention_scores(b: int, h: int, s: int, d: int) -> tvm.IRModule:
+    """``scores = q @ k^T`` per head as PyTorch's importer writes it (``k`` transposed per head,
+    an identity ``broadcast_to``, then reshaped to one batch axis), and its gradient."""
+    q, k = (relax.Var(n, relax.TensorType((b, h, s, d), "float32")) for n in "qk")
+    r = relax.Var("r", relax.TensorType((b, h, s, s), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, r]):
+        with bb.dataflow():
+            keys = bb.emit(op.permute_dims(k, [0, 1, 3, 2]))
+            keys = bb.emit(op.broadcast_to(keys, (b, h, d, s)))
+            keys = bb.emit(op.reshape(keys, (b * h, d, s)))
+            scores = bb.emit(op.matmul(bb.emit(op.reshape(q, (b * h, s, d))), keys))
+            scores = bb.emit(op.reshape(scores, (b, h, s, s)))
+            out = bb.emit_output(op.sum(op.multiply(scores, r)))
+        bb.emit_func_output(out)
+    return relaxgrad.Gradient("main")(bb.get())
+
+
+def test_keys_transposed_per_head_are_a_transpose_flag():
+    """Attention's keys transposed per head and reshaped (forward), and transposed back in the
+    gradient of ``q`` or computed transposed for ``k``'s (``dk^T`` through reshapes and an
+    identity ``collapse_sum_to``), leave no transpose: each is an operand's flag or the
+    product's swapped operands. The values are ``tvm.compile``'s."""
+    mod = _attention_scores(2, 3, 64, 48)
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    assert _calls_sgemm(script) and "permute_dims" not in script
+    rng = np.random.default_rng(5)
+    shapes = [[int(v) for v in p.ty.shape] for p in mod["main"].params]
+    inputs = [rng.standard_normal(shape).astype("float32") for shape in shapes]
+    args = [tvm.runtime.tensor(v) for v in inputs]
+    got = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())["main_adjoint"](*args)
+    want = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main_adjoint"](*args)
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-4)
+    for ours, theirs in zip(got[1], want[1]):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-4, atol=1e-3)
+    q, k, r = inputs
+    np.testing.assert_allclose(got[1][0].numpy(), r @ k, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(got[1][1].numpy(), np.swapaxes(r, 2, 3) @ q, rtol=1e-4,
+                               atol=1e-3)  # fmt: skip
+
+
 def test_transposed_product_read_twice_keeps_its_transpose():
     a = relax.Var("a", relax.TensorType((64, 48), "float32"))
     b = relax.Var("b", relax.TensorType((48, 40), "float32"))
