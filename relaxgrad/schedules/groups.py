@@ -57,14 +57,15 @@ class RowColumnLocal(ScheduleRule):
     along the row among them, that read each other's results only at their own row, and of
     sums over those rows that no block reads: the rows are split over the threads, each running
     its rows through every block in order and adding them into partial sums of its own,
-    vectorized along the row; the partial sums are added after."""
+    vectorized along the row; the partial sums are added after. Functions that sum nothing
+    (a split's parts) are left to :class:`ParallelLoops`, which vectorizes each block."""
 
     def __init__(self, min_rows: int = 64, tasks: int | None = None):
         self.min_rows = min_rows
         self.tasks = tasks
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target, least=2)
+        sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
         if len(infos) < 2:
             return None
         blocks = [sch.get(info.block_rv) for info in infos]

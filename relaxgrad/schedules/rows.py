@@ -198,10 +198,21 @@ def _vectorize_inner(sch: s_tir.Schedule, block_rv, lanes: int, depth: int) -> N
 
 def _partials(sch: s_tir.Schedule, block_rv, lanes: int):
     """Split the innermost reduction loop of ``block_rv`` by ``lanes`` and factor it out into
-    a block of ``lanes`` partial results (returned); None where the loop does not divide."""
+    a block of ``lanes`` partial results (returned). Where ``lanes`` does not divide the loop,
+    by the largest divisor of it above ``lanes / 2`` and up to ``2 * lanes`` (29 for GPT-2's
+    50257 logits, whose log-softmax was scalar: 2 ns per logit); None where there is none, or
+    where the loop is shorter than two vectors. (A split that does not divide leaves a
+    predicate, which the partials' vectorized loop did not honour: it read past the row.)"""
     loops = sch.get_loops(block_rv)
     extent = get_extent(sch, loops[-1])
-    if not isinstance(extent, int) or extent % lanes or extent < 2 * lanes:
+    if not isinstance(extent, int):
+        return None
+    if extent % lanes:
+        divisors = [d for d in range(2 * lanes, lanes // 2, -1) if extent % d == 0]
+        if not divisors:
+            return None
+        lanes = divisors[0]
+    if extent < 2 * lanes:
         return None
     if not _reduces(sch, block_rv, loops[-1]):
         return None

@@ -150,3 +150,25 @@ def test_normalization_and_softmax_gradients_match_pytorch(norm, dtype):
     rtol = 1e-10 if dtype == "float64" else 2e-4
     for got, want in zip(grads, _torch_grads(reference, arrays)):
         np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("length", [1000, 58, 37])
+def test_rows_the_vector_does_not_divide(length):
+    """Rows of 1000 (ImageNet's classes) and 58 (2 x 29) sum in partials of a divisor of the
+    row's length (25, 29) instead of one scalar at a time; rows of 37 (prime) stay scalar.
+    log-softmax's values and gradient are PyTorch's either way."""
+    params = [("x", (64, length), "float32"), ("w", (64, length), "float32")]
+
+    def body(x, w):
+        return op.sum(op.multiply(op.nn.log_softmax(x), w))
+
+    mod = _fused(_module(params, body))
+    (name,) = [k for k in _kernels(mod) if "log_softmax" in k]
+    script = RowLocal().apply(mod[name], host_target(), False).mod["main"].script()
+    partials = re.findall(r"sblock_alloc_buffer\(\(T\.int64\(64\), T\.int64\((\d+)\)\)", script)
+    lanes = {1000: 25, 58: 29, 37: None}[length]
+    assert [int(p) for p in partials] == ([] if lanes is None else [lanes, lanes])
+    arrays, grads, _ = _compiled_gradients(params, body)
+    want = _torch_grads(lambda x, w: (torch.log_softmax(x, -1) * w).sum(), arrays)
+    for got, expected in zip(grads, want):
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-4)
