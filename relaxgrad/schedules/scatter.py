@@ -68,10 +68,10 @@ def take_backward_func(g_shape, x_shape, length: int, axis: int, dtype: str, ind
     (:data:`blas.THREADS` by default)."""
     threads = blas.THREADS if threads is None else threads
     pre, rows, cols = math.prod(x_shape[:axis]), x_shape[axis], math.prod(x_shape[axis + 1 :])
-    step = -(-cols // threads)
+    step = max(-(-cols // threads), 1)  # (empty rows: one task that adds nothing)
     if cols >= _LANES * threads:
         step = -(-step // _LANES) * _LANES
-    chunks = -(-cols // step)
+    chunks = max(-(-cols // step), 1)
     out_shape, out_size = x_shape, math.prod(x_shape)
     g_size = math.prod(g_shape)
     parallel = max(out_size, g_size) >= _PARALLEL_FROM

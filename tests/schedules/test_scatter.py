@@ -82,6 +82,20 @@ def test_take_backward_skips_indices_out_of_range():
     np.testing.assert_array_equal(out.numpy(), _scatter_added(g, indices, axis, x_shape))
 
 
+@pytest.mark.parametrize("x_shape, length, axis", [((5, 0), 3, 0), ((5, 4), 0, 0),
+                                                    ((2, 4, 0), 3, 1)])  # fmt: skip
+def test_take_backward_of_empty_tensors_is_zeros(x_shape, length, axis):
+    """No columns, or no indices: zeros of x's shape (TVM's legalization divides by zero)."""
+    mod = _take_backward_module(x_shape, length, axis, "float32", "int32")
+    g_shape = list(x_shape)
+    g_shape[axis] = length
+    inputs = [np.ones(g_shape, "float32"), np.ones(x_shape, "float32"),
+              np.arange(length, dtype="int32")]  # fmt: skip
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs]).numpy()
+    np.testing.assert_array_equal(out, np.zeros(x_shape, "float32"))
+
+
 def test_take_backward_is_legalized_into_parallel_strips():
     """The legalized function is ours: a parallel loop over the strips (a structural check;
     the values are checked above)."""
