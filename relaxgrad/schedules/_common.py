@@ -17,7 +17,7 @@ from tvm.target import Target
 from .. import _ty
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
-COMM_REDUCE, INJECTIVE, OPAQUE = 3, 2, 8  # relax's OpPatternKind
+ELEMWISE, INJECTIVE, COMM_REDUCE, OPAQUE = 0, 2, 3, 8  # relax's OpPatternKind
 SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
 
 

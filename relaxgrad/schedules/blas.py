@@ -503,11 +503,11 @@ class _TransposedProducts(PyExprMutator):
             return super().visit_call_(call)
         if self.uses.get(product, 0) != 1 or not _float32(product):
             return super().visit_call_(call)
-        base, regrouped = _through_batch_views(self, product, self.uses)
-        if base is not product:  # a product read through views of its batch
-            return self._swapped_views(call, base, regrouped)
-        bound = self.lookup_binding(self.visit_expr(product))
-        summed = _is(bound, self.collapse)
+        base = _through_batch_views(self, product, self.uses)  # the product, or what it views
+        if self.uses.get(base, 0) != 1:
+            return super().visit_call_(call)
+        bound = self.lookup_binding(self.visit_expr(base))
+        summed = _is(bound, self.collapse) and base is product
         inner = self.lookup_binding(bound.args[0]) if summed else bound
         if not _is(inner, self.matmul) or any(static_shape(x) is None for x in inner.args):
             return super().visit_call_(call)
@@ -515,21 +515,9 @@ class _TransposedProducts(PyExprMutator):
         swapped = relax.op.matmul(self._transposed(b), self._transposed(a))
         if summed:
             return relax.op.collapse_sum_to(swapped, relax.ShapeExpr(shape[:-2] + shape[-1:-3:-1]))
+        if static_shape(base) != shape:  # views regrouping its batch: reshaped likewise
+            return relax.op.reshape(self.builder_.emit(swapped), static_shape(call))
         return swapped
-
-    def _swapped_views(self, call: relax.Call, base: relax.Var, regrouped: bool) -> relax.Expr:
-        """``call``, ``permute_dims`` of views of ``base`` (:func:`_through_batch_views`), as
-        the swapped product reshaped, where ``base`` is a product read only there."""
-        bound = self.lookup_binding(base)
-        if self.uses.get(base, 0) != 1 or not _is(bound, self.matmul):
-            return super().visit_call_(call)
-        if any(static_shape(x) is None for x in bound.args):
-            return super().visit_call_(call)
-        a, b = bound.args
-        swapped = relax.op.matmul(self._transposed(b), self._transposed(a))
-        if not regrouped:
-            return swapped
-        return relax.op.reshape(self.builder_.emit(swapped), static_shape(call))
 
     def _transposed(self, x: relax.Expr) -> relax.Expr:
         """``x`` with its last two axes swapped: the operand of its ``permute_dims``, or a new
@@ -995,7 +983,7 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
     in the gradient. Else ``(x, False)``."""
     y, swaps = x, 0
     while True:
-        y, _ = _through_batch_views(mutator, y)
+        y = _through_batch_views(mutator, y)
         bound = mutator.lookup_binding(y) if isinstance(y, relax.Var) else None
         if not _is(bound, Op.get("relax.permute_dims")):
             break
@@ -1010,29 +998,28 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
     return y, swaps % 2 == 1
 
 
-def _through_batch_views(
-    mutator: PyExprMutator, x: relax.Expr, uses: dict | None = None
-) -> tuple[relax.Expr, bool]:
+def _through_batch_views(mutator: PyExprMutator, x: relax.Expr, uses: dict | None = None):
     """The var that ``x`` is a view of through reshapes keeping its last two axes and
     ``broadcast_to`` / ``collapse_sum_to`` to the same shape (each view read only once where
-    ``uses``, read counts, are given), and whether a reshape was among them."""
-    shape, regrouped = static_shape(x), False
-    ops = {Op.get(f"relax.{name}") for name in ("reshape", "broadcast_to", "collapse_sum_to")}
+    ``uses``, read counts, are given)."""
+    shape = static_shape(x)
     while shape is not None and len(shape) >= 2 and isinstance(x, relax.Var):
         if uses is not None and uses.get(x, 0) != 1:
             break
         bound = mutator.lookup_binding(x)
-        if not (isinstance(bound, relax.Call) and any(bound.op.same_as(op) for op in ops)):
+        if not any(_is(bound, op) for op in _VIEWS):
             break
         inner = bound.args[0]
         inner_shape = static_shape(inner)
         if inner_shape is None or len(inner_shape) < 2 or inner_shape[-2:] != shape[-2:]:
             break
-        if not _is(bound, Op.get("relax.reshape")) and inner_shape != shape:
-            break
-        regrouped |= inner_shape != shape
+        if not _is(bound, _VIEWS[0]) and inner_shape != shape:
+            break  # broadcast_to / collapse_sum_to: only as identities
         x, shape = inner, inner_shape
-    return x, regrouped
+    return x
+
+
+_VIEWS = tuple(Op.get(f"relax.{name}") for name in ("reshape", "broadcast_to", "collapse_sum_to"))
 
 
 def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:

@@ -25,11 +25,10 @@ from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._common import static_shape
+from ._common import ELEMWISE, INJECTIVE, static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
-_ELEMWISE, _INJECTIVE = 0, 2
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
@@ -69,8 +68,8 @@ def _patterns(mod: IRModule) -> dict:
     for gvar, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs:
             pattern = int(func.attrs["op_pattern"])
-            if pattern == _INJECTIVE and relax.analysis.has_reshape_pattern(func):
-                pattern = _ELEMWISE
+            if pattern == INJECTIVE and relax.analysis.has_reshape_pattern(func):
+                pattern = ELEMWISE
             patterns[gvar] = pattern
     return patterns
 
