@@ -56,6 +56,7 @@ from .schedules import (
     default_cpu_rules,
 )
 from .schedules._common import is_gpu
+from .schedules.concat import legalize_concat
 from .schedules.cpu import forget_inlined
 from .schedules.scatter import legalize_take_backward
 from .schedules.scopes import WithoutSeqScopes
@@ -291,8 +292,10 @@ def cpu_pipeline(
 
     Legalization is :class:`LegalizeOpsOnce`: ``LegalizeOps`` with each operator's
     legalization reused for the later calls of the same kind (same PrimFuncs, half the time on
-    a transformer's adjoint), and ``take_backward`` (an embedding's gradient) as a parallel
-    scatter-add (:mod:`relaxgrad.schedules.scatter`) instead of TVM's serial loops.
+    a transformer's adjoint), ``take_backward`` (an embedding's gradient) as a parallel
+    scatter-add (:mod:`relaxgrad.schedules.scatter`) instead of TVM's serial loops, and
+    ``concat`` as a copy per part (:mod:`relaxgrad.schedules.concat`) instead of a select
+    per element.
 
     ``tvm.compile`` itself uses the generic pipeline for CPU targets, which does not fuse (TVM
     worries about pure packed calls kept for their side effects; adjoints have none). The
@@ -313,7 +316,8 @@ def cpu_pipeline(
         ],
         after_fusing=[FuseColumnSums(min_rows)],
         after_fusing_tir=[FuseRowGroups(min_rows)],
-        legalize=LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward}),
+        legalize=LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward,
+                                  "relax.concat": legalize_concat}),
     )  # fmt: skip
 
 

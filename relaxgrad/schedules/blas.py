@@ -13,7 +13,10 @@ A ``permute_dims`` of the last two axes feeding the matmul becomes a transpose f
 a batch, one sgemm over the stacked rows of ``x`` and ``g``. The backward of linear layers
 reading one input (an attention's q, k and v projections) runs on the concatenation of their
 output gradients: one gemm for the input's gradient, one for the weights'
-(:class:`_ConcatenatedProducts`).
+(:class:`_ConcatenatedProducts`), the former reading each weight where it is
+(:func:`parts_gemm_func`). Attention heads merged back into rows are written in place by
+their gemms (:class:`_MergedHeads`), the q, k and v gradients' straight into that
+concatenation.
 
 The batch, or else the rows of the result, are split over a ``T.parallel`` loop: the gemms run
 on TVM's own thread pool, as the other kernels do, with OpenBLAS single-threaded (each gemm
@@ -348,20 +351,22 @@ def _head_gemm(a, b, out, index, symbol, shape, flags, leading, heads, out_batch
     )
 
 
-def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
+def heads_gemm_func(parts: list[tuple], out_shape: list[int], rows: int) -> tirx.PrimFunc:
     """A PrimFunc ``(a_1, b_1, ..., a_n, b_n, out)`` that writes the batched products
-    ``p_i = op(a_i) @ op(b_i)`` of shape ``(B, H_i, S, D_i)`` with their heads side by side:
-    ``out = concat([reshape(permute_dims(p_i, [0, 2, 1, 3]), (B, S, H_i * D_i))], -1)``, each
-    head's gemm writing its columns of ``out`` (``ldc``) instead of a matrix of its own.
-    ``parts``: ``(a_shape, b_shape, trans_a, trans_b)`` of 4-D operands, op a transpose of the
-    last two axes where flagged."""
-    batch, rows, width = out_shape
+    ``p_i = op(a_i) @ op(b_i)`` of shape ``(B, H_i, S, D_i)`` (``S = rows``; ``B * H_i``
+    matrices, in 3-D or 4-D operands) with their heads side by side:
+    ``out = concat([reshape(permute_dims(p_i, [0, 2, 1, 3]), (B, S, H_i * D_i))], -1)``
+    (``out_shape``: ``(B, S, W)`` or ``(B * S, W)``), each head's gemm writing its columns of
+    ``out`` (``ldc``) instead of a matrix of its own. ``parts``: ``(a_shape, b_shape, trans_a,
+    trans_b)``, op a transpose of the last two axes where flagged."""
+    width = out_shape[-1]
+    batch = math.prod(out_shape[:-1]) // rows
     params, matched, flat, column, start = [], [], [], 0, 0
-    extra = {"T": T, "_head_gemm": _head_gemm, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ,
-             "OPAQUE": OPAQUE}  # fmt: skip
+    extra = {"_head_gemm": _head_gemm}
     for i, (a_shape, b_shape, trans_a, trans_b) in enumerate(parts):
-        heads, k = a_shape[1], (a_shape[2] if trans_a else a_shape[3])
-        n = b_shape[2] if trans_b else b_shape[3]
+        heads = math.prod(a_shape[:-2]) // batch
+        k = a_shape[-2] if trans_a else a_shape[-1]
+        n = b_shape[-2] if trans_b else b_shape[-1]
         shape, flags = (rows, n, k), tuple(_TRANS if t else _NO_TRANS for t in (trans_a, trans_b))
         leading = (rows if trans_a else k, k if trans_b else n, width)
         params += [f"a{i}_handle: T.handle", f"b{i}_handle: T.handle"]
@@ -382,14 +387,7 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
         f"    out = T.match_buffer(out_handle, {tuple(out_shape)}, 'float32')",
         *flat,
         f"    out_flat = T.decl_buffer(({math.prod(out_shape)},), 'float32', data=out.data)",
-        f"    T.evaluate(T.call_extern('void', '{_SET_THREADS}', 1))",
-        f"    for task in T.parallel({start}):",
-        "        csr = T.decl_buffer((2,), 'int32', scope='local')",
-        *([
-            "        T.evaluate(_mxcsr('stmxcsr', csr, 1))",
-            "        csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)",
-            "        T.evaluate(_mxcsr('ldmxcsr', csr, 0))",
-        ] if FLUSH_DENORMALS else []),
+        *_task_loop(start),
     ]
     for i in range(len(parts)):
         lines += [
@@ -397,10 +395,85 @@ def heads_gemm_func(parts: list[tuple], out_shape: list[int]) -> tirx.PrimFunc:
             f"            T.evaluate(_head_gemm(a{i}_flat, b{i}_flat, out_flat, task - range{i}[0],"
             f" SGEMM, *part{i}))",
         ]
-    lines += ["        T.evaluate(_mxcsr('ldmxcsr', csr, 1))"] if FLUSH_DENORMALS else []
-    extra["SGEMM"] = SGEMM
+    return _parsed_tasks(lines, extra)
+
+
+def _task_loop(tasks: int, parallel: bool = True) -> list[str]:
+    """The lines of a generated gemm PrimFunc (:func:`heads_gemm_func`,
+    :func:`parts_gemm_func`) that open its loop over ``tasks`` (``task``): OpenBLAS
+    single-threaded, denormals flushed in each task (closed by :func:`_parsed_tasks`)."""
+    return [
+        f"    T.evaluate(T.call_extern('void', '{_SET_THREADS}', 1))",
+        f"    for task in T.{'parallel' if parallel else 'serial'}({tasks}):",
+        "        csr = T.decl_buffer((2,), 'int32', scope='local')",
+        *([
+            "        T.evaluate(_mxcsr('stmxcsr', csr, 1))",
+            "        csr[0] = T.bitwise_or(csr[1], _FTZ_DAZ)",
+            "        T.evaluate(_mxcsr('ldmxcsr', csr, 0))",
+        ] if FLUSH_DENORMALS else []),
+    ]  # fmt: skip
+
+
+def _parsed_tasks(lines: list[str], extra: dict) -> tirx.PrimFunc:
+    """The PrimFunc of a generated gemm's ``lines``, its task loop (:func:`_task_loop`)
+    closed."""
+    lines = lines + (["        T.evaluate(_mxcsr('ldmxcsr', csr, 1))"] if FLUSH_DENORMALS else [])
+    extra = {**extra, "T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "OPAQUE": OPAQUE,
+             "SGEMM": SGEMM}  # fmt: skip
     func = parse("\n".join(lines) + "\n", extra_vars=extra, check_well_formed=False)
     return func.without_attr("global_symbol")
+
+
+def _part_gemm(a, b, out, task, symbol, step, m, n, k, lda, offset, trans_b, first):
+    """One part's product of :func:`parts_gemm_func` for the rows of ``task``: ``op(b) @``
+    the part's ``k`` columns of ``a`` from ``offset``, added to ``out`` unless ``first``."""
+    i32, f32 = (lambda v: tirx.IntImm("int32", v)), (lambda v: tirx.FloatImm("float32", v))
+    i64 = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    row = tirx.Cast("int64", task) * i64(step)
+    rows = tirx.Cast("int32", tirx.min(i64(step), i64(m) - row))
+    flag_b, ldb = (_TRANS, k) if trans_b else (_NO_TRANS, n)
+    return tirx.call_extern(
+        "void", symbol, i32(_ROW_MAJOR), i32(_NO_TRANS), i32(flag_b), rows, i32(n), i32(k),
+        f32(1), tirx.address_of(a[row * lda + offset]), i32(lda), tirx.address_of(b[0]),
+        i32(ldb), f32(0 if first else 1), tirx.address_of(out[row * n]), i32(n),
+    )
+
+
+def parts_gemm_func(a_shape, parts: list[tuple], threads: int | None = None) -> tirx.PrimFunc:
+    """A PrimFunc ``(a, b_1, ..., b_n, out)``: ``out = a @ concat([op(b_i)], 0)`` without the
+    concatenation, ``sum_i a[..., K_i] @ op(b_i)`` over the columns ``K_i`` of ``a`` that meet
+    ``b_i``'s rows (``a``'s rows stacked over its batch); each task's rows of ``out``
+    accumulate the parts' gemms (``beta = 1`` after the first). ``parts``: ``(b_shape,
+    trans_b)`` of 2-D ``b_i``, op a transpose where flagged."""
+    threads = THREADS if threads is None else threads
+    m, lda = math.prod(a_shape[:-1]), a_shape[-1]
+    n = parts[0][0][0] if parts[0][1] else parts[0][0][1]
+    chunks = threads if m * n * lda >= _SPLIT_MACS else 1
+    step = -(-m // chunks)
+    tasks = -(-m // step)
+    shapes, lines, offset = [("a", a_shape)], [], 0
+    extra = {"_part_gemm": _part_gemm}
+    for i, (b_shape, trans_b) in enumerate(parts):
+        k = b_shape[1] if trans_b else b_shape[0]
+        shapes.append((f"b{i}", b_shape))
+        extra[f"part{i}"] = (step, m, n, k, lda, offset, trans_b, i == 0)
+        lines.append(f"        T.evaluate(_part_gemm(a_flat, b{i}_flat, out_flat, task, SGEMM,"
+                     f" *part{i}))")  # fmt: skip
+        offset += k
+    shapes.append(("out", (*a_shape[:-1], n)))
+    head = [
+        "@T.prim_func",  # not T.prim_func(...): see parsed_script
+        f"def parts({', '.join(f'{name}_handle: T.handle' for name, _ in shapes)}):",
+        '    T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})',
+    ]
+    head += [f"    {name} = T.match_buffer({name}_handle, {tuple(shape)}, 'float32')"
+             for name, shape in shapes]  # fmt: skip
+    head += [f"    {name}_flat = T.decl_buffer(({math.prod(shape)},), 'float32', data={name}.data)"
+             for name, shape in shapes]  # fmt: skip
+    head += _task_loop(tasks, parallel=tasks > 1)
+    return _parsed_tasks(head + lines, extra)
+
+
 
 
 @tvm.transform.module_pass(opt_level=0, name="MatmulToBLAS")
@@ -465,7 +538,29 @@ class _Rewriter(PyExprMutator):
 
     def _gemm(self, a: relax.Expr, b: relax.Expr, out_shape: list[int]) -> relax.Expr:
         (a, trans_a), (b, trans_b) = _untransposed(self, a), _untransposed(self, b)
+        parts = self._parts(b) if not trans_a and not trans_b else None
+        if parts is not None:
+            shapes = [(static_shape(w), trans) for w, trans in parts]
+            key = (tuple(static_shape(a)), *((tuple(s), t) for s, t in shapes))
+            if key not in self.funcs:
+                func = parts_gemm_func(static_shape(a), shapes)
+                self.funcs[key] = self.builder_.add_func(func, "sgemm_parts")
+            out_type = relax.TensorType(out_shape, "float32")
+            return relax.call_tir(self.funcs[key], [a, *(w for w, _ in parts)], out_type)
         return self._call(a, b, out_shape, trans_a, trans_b)
+
+    def _parts(self, b: relax.Expr) -> list[tuple] | None:
+        """``[(b_i, trans_i)]`` when ``b`` is a concatenation of 2-D ``op(b_i)`` along its
+        rows (:class:`_ConcatenatedProducts`' weights), else None."""
+        bound = self.lookup_binding(b) if isinstance(b, relax.Var) else None
+        if not _is(bound, Op.get("relax.concat")) or not isinstance(bound.args[0], relax.Tuple):
+            return None
+        fields = bound.args[0].fields
+        if bound.attrs.axis is None or int(bound.attrs.axis) != 0:
+            return None
+        if any(len(static_shape(f) or []) != 2 for f in fields):
+            return None
+        return [_untransposed(self, f) for f in fields]
 
     def _call(self, a, b, out_shape, trans_a: bool, trans_b: bool) -> relax.Expr:
         a_shape, b_shape = static_shape(a), static_shape(b)
@@ -503,7 +598,7 @@ class _TransposedProducts(PyExprMutator):
             return super().visit_call_(call)
         if self.uses.get(product, 0) != 1 or not _float32(product):
             return super().visit_call_(call)
-        base = _through_batch_views(self, product, self.uses)  # the product, or what it views
+        base = _through_batch_views(self.lookup_binding, product, self.uses)  # or what it views
         if self.uses.get(base, 0) != 1:
             return super().visit_call_(call)
         bound = self.lookup_binding(self.visit_expr(base))
@@ -535,14 +630,14 @@ class _Column:
     reads ``x`` as ``d^T x`` (``x_first`` False) or ``x^T d``. ``bindings``: those it
     replaces."""
 
-    def __init__(self, term, d, w):
-        self.term, self.d, self.w = term, d, w
+    def __init__(self, term, d, w, rows: tuple):
+        self.term, self.d, self.w, self.rows = term, d, w, rows
         self.bias = self.weight = self.x = None
         self.x_first = False
         self.bindings = {term}
 
     def kind(self) -> tuple:
-        return (self.bias is None, self.weight is None, self.x, self.x_first)
+        return (self.bias is None, self.weight is None, self.x, self.x_first, self.rows)
 
 
 class _Group:
@@ -563,11 +658,18 @@ class _Block:
     def __init__(self, block: relax.DataflowBlock, outside: dict):
         self.values, self.pos, self.readers, self.outside = {}, {}, {}, outside
         self._aliases: dict | None = None
+        self._first: dict = {}  # a repeated reshape's var -> the first one's (canonical)
+        reshapes: dict = {}
         for index, binding in enumerate(block.bindings):
             if isinstance(binding, relax.VarBinding):
                 self.values[binding.var], self.pos[binding.var] = binding.value, index
                 for var in relax.analysis.free_vars(binding.value):
                     self.readers.setdefault(var, []).append(binding.var)
+                target = _target(self.bound(binding.var, "relax.reshape"))
+                if target is not None:  # one reshape of a var per shape (from_torch's linear
+                    # layers each flatten their input's batch)
+                    key = (self.canonical(binding.value.args[0]), tuple(target))
+                    self._first[binding.var] = reshapes.setdefault(key, binding.var)
 
     def groups(self) -> list[_Group]:
         found, taken = [], set()
@@ -592,10 +694,11 @@ class _Block:
         return found[0] if len(found) == 1 and not self.outside.get(var) else None
 
     def canonical(self, var):
-        """``var`` with the bindings of one var to another followed."""
+        """``var`` with the bindings of one var to another followed, and a reshape's var the
+        first one's of the same reshape of the same var."""
         while isinstance(self.values.get(var), relax.Var):
             var = self.values[var]
-        return var
+        return self._first.get(var, var)
 
     def aliases(self, var) -> list:
         """The vars some binding reads whose :meth:`canonical` is ``var`` (``var`` too), in
@@ -637,23 +740,35 @@ class _Block:
 
     def _column(self, term, shape: list[int]) -> _Column | None:
         """``term``'s :class:`_Column` when it is a product ``matmul(d, w)`` (2-D ``w``, of
-        ``shape``) read only by the sum and ``d`` only by it and its gradients; else None."""
-        product = self.bound(term, "relax.matmul")
-        if product is None or self.only_reader(term) is None:
+        ``shape``, or reshaped to it over its rows) read only by the sum and ``d`` only by it
+        and its gradients; else None."""
+        if self.only_reader(term) is None:
+            return None
+        inner, product = term, self.bound(term, "relax.matmul")
+        view = self.bound(term, "relax.reshape")
+        if view is not None and self.only_reader(view.args[0]) is not None:
+            inner, product = view.args[0], self.bound(view.args[0], "relax.matmul")
+        if product is None:
             return None
         d, w = product.args
         d_shape, w_shape = static_shape(d), static_shape(w)
         if d_shape is None or w_shape is None or len(w_shape) != 2:
             return None
-        if d_shape[:-1] + w_shape[1:] != shape or not _float32(d, w):
+        rows = d_shape[:-1]
+        if rows + w_shape[1:] != shape and (
+            inner is term or w_shape[1] != shape[-1] or math.prod(rows) != math.prod(shape[:-1])
+        ):
             return None
-        column = _Column(term, self.canonical(d), w)
+        if not _float32(d, w):
+            return None
+        column = _Column(term, self.canonical(d), w, tuple(rows))
+        column.bindings.add(inner)
         names = self.aliases(column.d)
         if any(self.outside.get(v) for v in names):
             return None
         k = d_shape[-1]
         for use in {r for v in names for r in self.readers[v] if self.canonical(r) != column.d}:
-            if use.same_as(term):
+            if use.same_as(inner):
                 continue
             if column.bias is None and _target(self.bound(use, "relax.collapse_sum_to")) == [k]:
                 column.bias = use
@@ -688,20 +803,21 @@ class _Block:
             if transposed is None or not _swaps_last_two(transposed, ndim):
                 return None
             x, x_first = transposed.args[0], True
-        chain.append(self.only_reader(chain[-1]))
         shape = static_shape(x)
         if shape is None or len(shape) != ndim or static_shape(product) is None:
             return None
         want = [shape[-1], k] if x_first else [k, shape[-1]]
         if static_shape(product)[:-2] != shape[:-2] or static_shape(product)[-2:] != want:
             return None
-        if _target(self.bound(chain[-1], "relax.collapse_sum_to")) != want:
-            return None
+        if ndim > 2:  # summed over the batch
+            chain.append(self.only_reader(chain[-1]))
+            if _target(self.bound(chain[-1], "relax.collapse_sum_to")) != want:
+                return None
         return self.canonical(x), x_first, chain
 
 
 def _target(collapse: relax.Call | None) -> list[int] | None:
-    """The static shape a ``collapse_sum_to`` sums to, or None."""
+    """The static shape a ``collapse_sum_to`` sums to (or a ``reshape`` gives), or None."""
     if collapse is None or not isinstance(collapse.args[1], relax.ShapeExpr):
         return None
     values = collapse.args[1].values
@@ -716,8 +832,16 @@ class _ConcatenatedProducts(PyExprMutator):
     ``collapse_sum_to(matmul(permute(d_i), x), (K_i, N))`` of one ``x`` and in bias gradients
     ``collapse_sum_to(d_i, (K_i,))``, becomes the products of ``d = concat(d_i, -1)``: one
     matmul ``d @ concat(w_i, 0)`` for the sum, one ``d^T x`` for the weight gradients and one
-    sum for the bias gradients, sliced. Fewer, larger gemms (about 10% faster) and no adds;
-    ``d_i``'s producers (e.g. transposes) fuse into the concatenation."""
+    sum for the bias gradients, sliced. Fewer, larger gemms and no adds; ``d_i``'s producers
+    (e.g. transposes) fuse into the concatenation, or write into it (:class:`_MergedHeads`),
+    and the weights are not copied (:meth:`_Rewriter._parts`).
+
+    As ``from_torch`` builds a linear layer over a 3-D input, a product may be 2-D over the
+    flattened rows and reshaped back (its weight gradient then a 2-D product with no sum over
+    a batch), and each layer may flatten the input with a reshape of its own: reshapes of one
+    var to one shape count as one var (:meth:`_Block.canonical`). BERT-base's q, k and v
+    backward: 6 gemms, 3 transposes, 3 bias sums and 3 adds a layer become 2 gemms, the
+    heads' gemms writing the concatenation, and one sum."""
 
     def __init__(self, mod: IRModule):
         super().__init__(mod)
@@ -755,6 +879,9 @@ class _ConcatenatedProducts(PyExprMutator):
         d = emit(relax.op.concat(ds, axis=-1))
         w = emit(relax.op.concat([self.visit_expr(c.w) for c in group.columns], axis=0))
         total = relax.op.matmul(d, w)
+        shape = static_shape(group.total)
+        if list(first.rows) != shape[:-1]:  # the products were reshaped over their rows
+            total = relax.op.reshape(emit(total), shape)
         for term in group.rest:
             total = relax.op.add(emit(total), self.visit_expr(term))
         rebind(self, group.total, total)
@@ -771,8 +898,9 @@ class _ConcatenatedProducts(PyExprMutator):
             else:  # d^T x: per block of rows
                 product = emit(relax.op.matmul(emit(relax.op.permute_dims(d, swap)), x))
                 shape, axis = (sum(widths), static_shape(x)[-1]), 0
-            total = emit(relax.op.collapse_sum_to(product, shape))
-            sliced(total, axis, [c.weight for c in group.columns])
+            if ndim > 2:
+                product = emit(relax.op.collapse_sum_to(product, shape))
+            sliced(product, axis, [c.weight for c in group.columns])
         if first.bias is not None:
             total = emit(relax.op.collapse_sum_to(d, (sum(widths),)))
             sliced(total, 0, [c.bias for c in group.columns])
@@ -812,51 +940,66 @@ class _MergedHeads(PyExprMutator):
             return super().visit_var_binding_(binding)
         self.merged += 1
         out_shape = static_shape(binding.var)
-        shapes = [(static_shape(a), static_shape(b), ta, tb) for a, b, ta, tb in parts]
-        gvar = self.builder_.add_func(heads_gemm_func(shapes, out_shape), "sgemm_heads")
-        args = [self.visit_expr(x) for a, b, _, _ in parts for x in (a, b)]
+        shapes = [(static_shape(a), static_shape(b), ta, tb) for a, b, ta, tb, _ in parts]
+        func = heads_gemm_func(shapes, out_shape, parts[0][4])
+        gvar = self.builder_.add_func(func, "sgemm_heads")
+        args = [self.visit_expr(x) for a, b, *_ in parts for x in (a, b)]
         value = relax.call_tir(gvar, args, relax.TensorType(out_shape, "float32"))
         rebind(self, binding.var, value)
         return None
 
     def _parts(self, value) -> list[tuple] | None:
-        """``[(a, b, trans_a, trans_b)]`` of the merged heads ``value`` (a merge or a
-        concatenation of merges along the last axis), else None."""
+        """``[(a, b, trans_a, trans_b, S)]`` of the merged heads ``value`` (a merge or a
+        concatenation of merges along the last axis, of one ``S``), else None."""
         if _is(value, Op.get("relax.concat")):
             shape = static_shape(value)
             fields = value.args[0]
-            if not isinstance(fields, relax.Tuple) or shape is None or len(shape) != 3:
+            if not isinstance(fields, relax.Tuple) or shape is None or len(shape) not in (2, 3):
                 return None
-            if int(value.attrs.axis) % 3 != 2:
+            if int(value.attrs.axis) % len(shape) != len(shape) - 1:
                 return None
             parts = [self._merged(self._read_once(f)) for f in fields.fields]
-            return parts if parts and all(p is not None for p in parts) else None
+            if not parts or any(p is None for p in parts) or len({p[4] for p in parts}) != 1:
+                return None
+            return parts
         part = self._merged(value)
         return [part] if part is not None else None
 
     def _merged(self, value) -> tuple | None:
-        """``(a, b, trans_a, trans_b)`` of ``reshape(permute_dims(matmul(op(a), op(b)), [0, 2,
-        1, 3]), (B, S, H * D))``, float32, each value read only there."""
-        if not _is(value, Op.get("relax.reshape")):
+        """``(a, b, trans_a, trans_b, S)`` of ``reshape(permute_dims(p, [0, 2, 1, 3]), (B, S,
+        H * D))`` (or ``(B * S, H * D)``; reshapes of the rows may follow) of a product ``p =
+        matmul(op(a), op(b))`` of shape ``(B, H, S, D)``, or ``(B * H, S, D)`` reshaped to it
+        (:func:`_through_batch_views`), float32, each value read only there."""
+        out = static_shape(value)
+        if not _is(value, Op.get("relax.reshape")) or out is None:
             return None
         permute = self._read_once(value.args[0])
+        while _is(permute, Op.get("relax.reshape")):  # (B, S, H * D) -> (B * S, H * D)
+            permute = self._read_once(permute.args[0])
         if not _is(permute, Op.get("relax.permute_dims")) or permute.attrs.axes is None:
             return None
-        product = self._read_once(permute.args[0])
         if [int(v) for v in permute.attrs.axes] != [0, 2, 1, 3]:
             return None
+        heads = static_shape(permute.args[0])  # (B, H, S, D)
+        var = _through_batch_views(self.values.get, permute.args[0], self.uses)
+        product = self._read_once(var)
         if not _is(product, Op.get("relax.matmul")) or not _float32(product, *product.args):
             return None
         (a, trans_a), (b, trans_b) = (_untransposed(self, x) for x in product.args)
-        shapes = [static_shape(x) for x in (a, b, product.args[0], value)]
-        if any(s is None for s in shapes) or any(len(s) != 4 for s in shapes[:3]):
+        shapes = [static_shape(x) for x in (a, b, product.args[0], product)]
+        if heads is None or any(s is None or len(s) not in (3, 4) for s in shapes):
             return None
-        a_shape, b_shape, op_a, out = shapes
-        if a_shape[:2] != b_shape[:2] or len(out) != 3 or out[:2] != [op_a[0], op_a[2]]:
+        a_shape, b_shape, op_a, p_shape = shapes
+        if a_shape[:-2] != p_shape[:-2] or b_shape[:-2] != p_shape[:-2]:
             return None
-        if math.prod(static_shape(product)) * op_a[3] < self.min_macs:
+        if p_shape[-2:] != heads[2:] or math.prod(p_shape[:-2]) != heads[0] * heads[1]:
             return None
-        return a, b, trans_a, trans_b
+        if math.prod(out[:-1]) != heads[0] * heads[2] or out[-1] != heads[1] * heads[3]:
+            return None
+        if math.prod(p_shape) * op_a[-1] < self.min_macs:
+            return None
+        return a, b, trans_a, trans_b, heads[2]
+
 
     def _read_once(self, var):
         """The value bound to ``var`` if it is read once, else None."""
@@ -983,7 +1126,7 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
     in the gradient. Else ``(x, False)``."""
     y, swaps = x, 0
     while True:
-        y = _through_batch_views(mutator, y)
+        y = _through_batch_views(mutator.lookup_binding, y)
         bound = mutator.lookup_binding(y) if isinstance(y, relax.Var) else None
         if not _is(bound, Op.get("relax.permute_dims")):
             break
@@ -998,15 +1141,15 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
     return y, swaps % 2 == 1
 
 
-def _through_batch_views(mutator: PyExprMutator, x: relax.Expr, uses: dict | None = None):
+def _through_batch_views(lookup, x: relax.Expr, uses: dict | None = None):
     """The var that ``x`` is a view of through reshapes keeping its last two axes and
     ``broadcast_to`` / ``collapse_sum_to`` to the same shape (each view read only once where
-    ``uses``, read counts, are given)."""
+    ``uses``, read counts, are given); ``lookup``: a var's bound value or None."""
     shape = static_shape(x)
     while shape is not None and len(shape) >= 2 and isinstance(x, relax.Var):
         if uses is not None and uses.get(x, 0) != 1:
             break
-        bound = mutator.lookup_binding(x)
+        bound = lookup(x)
         if not any(_is(bound, op) for op in _VIEWS):
             break
         inner = bound.args[0]

@@ -343,11 +343,14 @@ def _layers_backward(x_first: bool, residual: bool, leak: bool) -> tvm.IRModule:
 @pytest.mark.parametrize("residual", [False, True])
 def test_linear_layers_over_one_input_share_their_backward_gemms(x_first, residual):
     """The products of the three gradients become products of their concatenation: one gemm
-    for the input's gradient (no add left but the residual's), one for the weights', one sum
-    for the biases', sliced; the values are numpy's."""
+    for the input's gradient (no add left but the residual's; the weights are read where they
+    are, not concatenated), one for the weights', one sum for the biases', sliced; the values
+    are numpy's."""
     mod = _layers_backward(x_first, residual, leak=False)
     script = blas.MatmulToBLAS(min_macs=0)(mod).script()
-    assert script.count("R.concat(") == 2 and script.count("R.strided_slice(") == 6
+    assert script.count("R.concat(") == 1 and script.count("R.strided_slice(") == 6
+    parts = [line for line in script.splitlines() if "R.call_tir(cls.sgemm_parts" in line]
+    assert len(parts) == 1 and all(f"w{i}" in parts[0] for i in range(3))
     assert script.count("R.call_tir(cls.sgemm") == 2 and script.count("R.add(") == int(residual)
     _check_layers_backward(mod, x_first, residual, leak=False)
 
@@ -358,9 +361,47 @@ def test_gradient_read_elsewhere_stays_out_of_the_concatenation():
     mod = _layers_backward(False, False, leak=True)
     script = blas.MatmulToBLAS(min_macs=0)(mod).script()
     concats = [line for line in script.splitlines() if "R.concat(" in line]
-    assert len(concats) == 2 and not any("d1" in line or "w1" in line for line in concats)
+    assert len(concats) == 1 and "d1" not in concats[0]  # the weights: read where they are
+    parts = [line for line in script.splitlines() if "R.call_tir(cls.sgemm_parts" in line]
+    assert len(parts) == 1 and "w1" not in parts[0]
     assert script.count("R.call_tir(cls.sgemm") == 4  # 2 of the concatenation, 2 of d1's
     _check_layers_backward(mod, False, False, leak=True)
+
+
+def test_flattened_linear_layers_share_their_backward_gemms():
+    """As ``from_torch`` builds BERT's attention: each layer flattens the (4, 32, 28) input's
+    batch with a reshape of its own, its input gradient is its 2-D product reshaped back, and
+    its weight gradient a 2-D product with no sum over a batch. The reshapes of one input are
+    one input, the products are concatenated as in the 3-D case; the values are numpy's."""
+    x = relax.Var("x", relax.TensorType((4, 32, 28), "float32"))
+    r = relax.Var("r", relax.TensorType((4, 32, 20), "float32"))
+    ds = [relax.Var(f"d{i}", relax.TensorType((128, k), "float32")) for i, k in enumerate(WIDTHS)]
+    ws = [relax.Var(f"w{i}", relax.TensorType((k, 20), "float32")) for i, k in enumerate(WIDTHS)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, r, *ds, *ws]):
+        with bb.dataflow():
+            total, grads = r, []
+            for d, w, k in zip(ds, ws, WIDTHS):
+                product = bb.emit(op.reshape(bb.emit(op.matmul(d, w)), (4, 32, 20)))
+                total = bb.emit(op.add(total, product))
+                rows = bb.emit(op.reshape(x, (128, 28)))
+                grads.append(bb.emit(op.matmul(bb.emit(op.permute_dims(d)), rows)))
+                grads.append(bb.emit(op.collapse_sum_to(d, (k,))))
+            out = bb.emit_output(relax.Tuple([total, *grads]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    script = blas.MatmulToBLAS(min_macs=0)(mod).script()
+    assert script.count("R.concat(") == 1 and script.count("R.call_tir(cls.sgemm") == 2
+    rng = np.random.default_rng(6)
+    inputs = [rng.standard_normal(_shape(p)).astype("float32") for p in mod["main"].params]
+    x, r, ds, ws = inputs[0], inputs[1], inputs[2:5], inputs[5:]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    got = [t.numpy() for t in vm["main"](*[tvm.runtime.tensor(v) for v in inputs])]
+    want = [r + sum(d @ w for d, w in zip(ds, ws)).reshape(4, 32, 20)]
+    for d in ds:
+        want += [d.T @ x.reshape(128, 28), d.sum(0)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
 
 
 def _check_layers_backward(mod, x_first: bool, residual: bool, leak: bool) -> None:
@@ -381,16 +422,19 @@ def _check_layers_backward(mod, x_first: bool, residual: bool, leak: bool) -> No
 HEADS = (2, 4, 64, 32)  # batch, heads, rows, head width: 1.2M multiply-adds per product
 
 
-def _heads_module(transposes, leak: bool = False) -> tvm.IRModule:
+def _heads_module(transposes, leak: bool = False, flat: bool = False) -> tvm.IRModule:
     """``concat([merge(op(a_i) @ op(b_i))], -1)`` and, with one part, the merge alone; merge:
     ``reshape(permute_dims(p, [0, 2, 1, 3]), (B, S, H * D))``, as attention's output and, in
-    its backward, the q, k and v gradients. ``leak``: the first product is returned too."""
+    its backward, the q, k and v gradients. ``leak``: the first product is returned too.
+    ``flat``: as ``from_torch`` builds BERT's, the products are 3-D, ``(B * H, S, D)``,
+    reshaped to ``(B, H, S, D)``, and the merges reshaped on to ``(B * S, H * D)``."""
     batch, heads, rows, width = HEADS
     params, merged = [], []
     bb = relax.BlockBuilder()
+    lead = (batch * heads,) if flat else (batch, heads)
     for i, (trans_a, trans_b) in enumerate(transposes):
-        a_shape = (batch, heads, 72, rows) if trans_a else (batch, heads, rows, 72)
-        b_shape = (batch, heads, width, 72) if trans_b else (batch, heads, 72, width)
+        a_shape = (*lead, 72, rows) if trans_a else (*lead, rows, 72)
+        b_shape = (*lead, width, 72) if trans_b else (*lead, 72, width)
         params += [relax.Var(f"a{i}", relax.TensorType(a_shape, "float32")),
                    relax.Var(f"b{i}", relax.TensorType(b_shape, "float32"))]  # fmt: skip
     with bb.function("main", params):
@@ -398,11 +442,17 @@ def _heads_module(transposes, leak: bool = False) -> tvm.IRModule:
             products = []
             for i, (trans_a, trans_b) in enumerate(transposes):
                 a, b = params[2 * i : 2 * i + 2]
-                lhs = bb.emit(op.permute_dims(a, [0, 1, 3, 2])) if trans_a else a
-                rhs = bb.emit(op.permute_dims(b, [0, 1, 3, 2])) if trans_b else b
+                swap = [0, 2, 1] if flat else [0, 1, 3, 2]
+                lhs = bb.emit(op.permute_dims(a, swap)) if trans_a else a
+                rhs = bb.emit(op.permute_dims(b, swap)) if trans_b else b
                 products.append(bb.emit(op.matmul(lhs, rhs)))
-                permuted = bb.emit(op.permute_dims(products[-1], [0, 2, 1, 3]))
+                product = products[-1]
+                if flat:
+                    product = bb.emit(op.reshape(product, (batch, heads, rows, width)))
+                permuted = bb.emit(op.permute_dims(product, [0, 2, 1, 3]))
                 merged.append(bb.emit(op.reshape(permuted, (batch, rows, heads * width))))
+                if flat:
+                    merged[-1] = bb.emit(op.reshape(merged[-1], (batch * rows, heads * width)))
             out = merged[0] if len(merged) == 1 else bb.emit(op.concat(merged, axis=-1))
             outs = [out, products[0]] if leak else [out]
             result = bb.emit_output(relax.Tuple(outs))
@@ -414,12 +464,13 @@ def _heads_module(transposes, leak: bool = False) -> tvm.IRModule:
     "transposes",
     [[(False, False)], [(True, False)], [(False, False), (True, False), (False, True)]],
 )
-def test_merged_heads_are_written_in_place(transposes):
-    mod = _heads_module(transposes)
+@pytest.mark.parametrize("flat", [False, True])
+def test_merged_heads_are_written_in_place(transposes, flat):
+    mod = _heads_module(transposes, flat=flat)
     script = blas.MatmulToBLAS()(mod).script()
     assert script.count("R.call_tir(cls.sgemm_heads") == 1
     assert "R.concat" not in script and "permute_dims" not in script and "reshape" not in script
-    _check_heads(mod, transposes, leak=False)
+    _check_heads(mod, transposes, leak=False, flat=flat)
 
 
 def test_product_read_elsewhere_keeps_its_heads_apart():
@@ -432,7 +483,7 @@ def test_product_read_elsewhere_keeps_its_heads_apart():
     _check_heads(mod, transposes, leak=True)
 
 
-def _check_heads(mod, transposes, leak: bool) -> None:
+def _check_heads(mod, transposes, leak: bool, flat: bool = False) -> None:
     batch, heads, rows, width = HEADS
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal(_shape(p)).astype("float32") for p in mod["main"].params]
@@ -441,9 +492,11 @@ def _check_heads(mod, transposes, leak: bool) -> None:
     products = []
     for i, (trans_a, trans_b) in enumerate(transposes):
         a, b = inputs[2 * i : 2 * i + 2]
-        lhs, rhs = (np.swapaxes(x, 2, 3) if t else x for x, t in ((a, trans_a), (b, trans_b)))
+        lhs, rhs = (np.swapaxes(x, -1, -2) if t else x for x, t in ((a, trans_a), (b, trans_b)))
         products.append(lhs @ rhs)
-    merged = [p.transpose(0, 2, 1, 3).reshape(batch, rows, heads * width) for p in products]
+    out = (batch * rows, heads * width) if flat else (batch, rows, heads * width)
+    merged = [p.reshape(batch, heads, rows, width).transpose(0, 2, 1, 3).reshape(out)
+              for p in products]  # fmt: skip
     want = [np.concatenate(merged, -1)] + ([products[0]] if leak else [])
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
