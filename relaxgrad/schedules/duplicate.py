@@ -8,12 +8,15 @@ read back, and ``relu`` runs as a kernel of its own; a normalization's gradient 
 ``c = x - mean`` in two reductions and an elementwise kernel. :class:`DuplicateCheapProducers`
 gives each further reader (elementwise, injective or a reduction, all of which fuse their
 elementwise producers) its own copy of such a producer (an elementwise or broadcast PrimFunc
-with one operand of the result's size, the others smaller, or a reshape: a GELU's input, the
-bias sum reshaped from the gemm's rows, is read by GELU and by its gradient): each copy fuses
-into its reader, and ``x`` is kept instead of ``t`` (the same size), so the memory does not
-grow. A copy reads its producer's operands, so one of them that is itself such a producer
-gains a reader; rounds repeat until none is copied (batch norm's gradient: ``c * rstd``
-copied, then ``c``).
+whose operands of the result's size all come, through such producers, from one var, the
+others smaller; or a reshape: a GELU's input, the bias sum reshaped from the gemm's rows, is
+read by GELU and by its gradient): each copy fuses into its reader, and ``x`` is kept instead
+of ``t`` (the same size), so the memory does not grow. A copy reads its producer's operands,
+so one of them that is itself such a producer gains a reader; rounds repeat until none is
+copied (batch norm's gradient: ``c * rstd`` copied, then ``c``; GPT-2's GELU, whose gradient
+reads ``x * x`` and ``x + 0.044715 x ** 3``: both copied, then the cube, its product with
+the constant and the bias sum, so that the forward and the gradient each read the gemm's
+rows once, 92 -> 55 ms a step).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class DuplicateCheapProducers:
     """Copy a cheap elementwise producer for each of its readers after the first (see the
     module docstring)."""
 
-    def __init__(self, max_rounds: int = 4):
+    def __init__(self, max_rounds: int = 8):
         self.max_rounds = max_rounds
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
@@ -131,15 +134,21 @@ class _Rewriter(PyExprMutator):
         for var in relax.analysis.free_vars(func.body.body):  # the function's result
             read_anywhere[hash(var)] = read_anywhere.get(hash(var), 0) + 1
         cheap = {}
+        roots: dict = {}  # the full-size vars (handles) each elementwise producer expands to
         for b, var, pattern, args, _ in facts:
             if pattern is None or pattern > 1 or not isinstance(var, relax.DataflowVar):
                 continue
             size = self._size(var)
             sizes = [self._size(a) for a in args]
-            if size is None or None in sizes or sum(s == size for s in sizes) != 1:
+            if size is None or None in sizes or any(s > size for s in sizes):
                 continue
-            if any(s > size for s in sizes):
-                continue
+            found = set()
+            for arg, arg_size in zip(args, sizes):
+                if arg_size == size:
+                    found |= roots.get(hash(arg), {hash(arg)})
+            if len(found) != 1:
+                continue  # copies would keep two full-size vars alive for one
+            roots[hash(var)] = found
             users = readers.get(hash(var), [])
             if len(users) < 2 or read_anywhere.get(hash(var), 0) != len(users):
                 continue  # read by something other than call_tir, e.g. a tuple or the output

@@ -145,3 +145,41 @@ def test_a_reshape_read_twice_is_recomputed_with_its_producer():
     t = torch.from_numpy((xs[0] + xs[1]).reshape(4, 16, 96))
     np.testing.assert_allclose(gelu, torch.nn.functional.gelu(t).numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(scaled, t.numpy() * xs[2], rtol=1e-6)
+
+
+def test_producers_of_two_full_size_operands_expanding_to_one_var_are_copied():
+    """GPT-2's GELU, ``0.5 x (1 + tanh(c (x + 0.044715 x ** 3)))``, with its gradient reading
+    ``x * x`` (``x ** 3``'s gradient) and ``u = x + 0.044715 x ** 3``: ``x * x`` reads ``x``
+    twice and ``u`` reads ``x`` and ``0.044715 x ** 3``, which both expand to ``x``, so copies
+    keep only ``x`` alive (``x + y`` of two independent inputs is still kept: see above).
+    Every intermediate is computed in the two kernels that read it, none written; values
+    against PyTorch's autograd."""
+
+    def body(bb, x, g):
+        square = bb.emit(op.multiply(x, x))
+        cube = bb.emit(op.multiply(square, x))
+        u = bb.emit(op.add(x, bb.emit(op.multiply(cube, relax.const(0.044715, "float32")))))
+        t = bb.emit(op.tanh(bb.emit(op.multiply(u, relax.const(0.7978845608, "float32")))))
+        half = relax.const(0.5, "float32")
+        gelu = bb.emit(op.multiply(op.multiply(half, x), op.add(relax.const(1.0, "float32"), t)))
+        dt = bb.emit(op.subtract(relax.const(1.0, "float32"), op.multiply(t, t)))
+        du = op.multiply(relax.const(0.7978845608, "float32"),
+                         op.add(relax.const(1.0, "float32"),
+                                op.multiply(relax.const(3 * 0.044715, "float32"), square)))
+        grad = op.add(op.multiply(half, op.add(relax.const(1.0, "float32"), t)),
+                      op.multiply(op.multiply(half, x), op.multiply(dt, du)))
+        return relax.Tuple([gelu, bb.emit(op.multiply(grad, g))])  # fmt: skip
+
+    shapes = [(64, 96), (64, 96)]
+    mod = _module(shapes, body)
+    assert len(_kernels(mod, False)) > 2  # x * x, u or tanh written, then read again
+    assert len(_kernels(mod, True, rounds=8)) == 2
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    gelu, grad = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    x = torch.from_numpy(xs[0]).double().requires_grad_()
+    want = torch.nn.functional.gelu(x, approximate="tanh")
+    (want * torch.from_numpy(xs[1]).double()).sum().backward()
+    np.testing.assert_allclose(gelu, want.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grad, x.grad.numpy(), rtol=1e-4, atol=1e-4)
