@@ -305,7 +305,8 @@ def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name:
     first = ctx.emit(relax.call_tir(gv, relax.Tuple([x, ctx.normalize(y)]),
                                     relax.TensorType(out_dims, "int32")))  # fmt: skip
     operands = [_placeholder(out_dims, "int32", "first"), _placeholder(out_dims, dtype, "g")]
-    gv = _opaque_kernel(ctx, operands, _window_gather(*operands, ins, **pool), "window_gather")
+    gv = _opaque_kernel(ctx, operands, _window_gather(*operands, ins, **pool), "window_gather",
+                        {WINDOW_SCATTER: pool})  # the CPU pipeline's scatter (schedules.scatter)
     return ctx.emit(call_tir_with_grad(gv, relax.Tuple([first, grad]),
                                        relax.TensorType(ins, dtype), WINDOW_GATHER, pool))
 
@@ -313,16 +314,24 @@ def _max_pool2d_overlapping_grad(ctx, grad, x, y, attrs, ins, out_dims, op_name:
 WINDOW_GATHER = "relaxgrad.max_pool2d_window_gather"
 """The TE gradient of the overlapping max pool's gather (:func:`_window_gather`)."""
 
+WINDOW_SCATTER = "relaxgrad.window_scatter"
+"""The PrimFunc attribute of the gather (:func:`_window_gather`): its window geometry, from
+which the CPU pipeline writes it as a scatter (:class:`relaxgrad.schedules.WindowScatter`)."""
+
 
 def _placeholder(dims, dtype: str, name: str) -> te.Tensor:
     return te.placeholder([tirx.IntImm("int64", d) for d in dims], dtype, name)  # as Relax's
 
 
-def _opaque_kernel(ctx, operands: list[te.Tensor], result: te.Tensor, name: str):
+def _opaque_kernel(ctx, operands: list[te.Tensor], result: te.Tensor, name: str,
+                   attrs: dict | None = None):  # fmt: skip
     """Add the PrimFunc computing ``result`` from the placeholders ``operands``, kept out of
-    fusion (kOpaque): fused with its readers or producers, a gather runs them once per read."""
-    func = te.create_prim_func([*operands, result])
-    return ctx.add_func(func.without_attr("global_symbol").with_attr("op_pattern", 8), name)
+    fusion (kOpaque): fused with its readers or producers, a gather runs them once per read.
+    ``attrs``: more attributes of the PrimFunc."""
+    func = te.create_prim_func([*operands, result]).without_attr("global_symbol")
+    for key, value in {"op_pattern": 8, **(attrs or {})}.items():
+        func = func.with_attr(key, value)
+    return ctx.add_func(func, name)
 
 
 def _window_tap(index, k, ins, ay, ax, ky_size, kx_size, sy, sx, top, left, **_):

@@ -3,8 +3,9 @@
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
 (:class:`TiledMatmul`, :class:`RowLocal`, :class:`ColumnLocal`, :class:`ParallelLoops`) share one
 mechanism: a rule that raises or whose schedule fails verification falls through to the next, and
-the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds write small
-whole powers as products (:class:`IntegerPowers`) and rewrite convolutions into matmuls
+the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds write an
+overlapping max pool's gradient as a scatter (:class:`WindowScatter`), small whole powers as
+products (:class:`IntegerPowers`) and rewrite convolutions into matmuls
 (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
 into means of the gradient's form (:class:`ShareStatistics`) and means into sums that fuse with the
 products they reduce (:class:`MeanAsSum`), then legalize with each operator's legalization reused
@@ -32,6 +33,7 @@ from .legalize import LegalizeOpsOnce
 from .means import MeanAsSum
 from .powers import IntegerPowers
 from .rows import FuseRowReductions, RowLocal
+from .scatter import WindowScatter
 from .serial import SerialVectorLoops
 from .statistics import ShareStatistics
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
@@ -58,6 +60,7 @@ __all__ = [
     "ScheduleGPU",
     "SerialVectorLoops",
     "TiledMatmul",
+    "WindowScatter",
     "default_cpu_rules",
     "default_gpu_rules",
 ]

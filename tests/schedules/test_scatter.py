@@ -122,3 +122,55 @@ def test_embedding_gradient_matches_finite_differences():
     ids_value[0, :5] = 7  # repeated rows accumulate
     inputs = [rng.uniform(-1, 1, (600, 64)), ids_value]
     assert_gradients_close(bb.get(), inputs=inputs, wrt=[0], compile=relaxgrad.compile)
+
+
+def _max_pool_adjoint(shape, dtype, **pool) -> tvm.IRModule:
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    w = relax.Var("w", relax.TensorType(shape, dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            pooled = op.nn.max_pool2d(op.multiply(x, w), **pool)
+            out = bb.emit_output(op.sum(op.multiply(pooled, pooled)))
+        bb.emit_func_output(out)
+    return relaxgrad.Gradient("main", require_grads=[x])(bb.get())
+
+
+# ResNet's stem pool (3x3, stride 2, padding 1), a rectangular window with uneven padding, and
+# integer-valued inputs whose windows tie (the first argmax takes the gradient, as TVM's)
+POOLS = [
+    ((2, 3, 12, 12), "float64", dict(pool_size=3, strides=2, padding=1), False),
+    ((1, 2, 9, 7), "float64", dict(pool_size=(3, 2), strides=(2, 1), padding=(1, 0, 0, 1)), False),
+    ((2, 64, 40, 40), "float32", dict(pool_size=3, strides=2, padding=1), True),
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "pool", "ties"), POOLS)
+def test_overlapping_max_pool_gradient_is_a_scatter(shape, dtype, pool, ties):
+    """The CPU pipeline replaces the gather (one PrimFunc per pool, kept for TE's second
+    order) by the scatter; its values are the gather's (``tvm.compile`` of the same module)
+    and PyTorch's (float64)."""
+    mod = _max_pool_adjoint(shape, dtype, **pool)
+    gathers = [gv for gv, f in mod.functions_items()
+               if "relaxgrad.window_scatter" in (f.attrs or {})]  # fmt: skip
+    assert len(gathers) == 1
+    assert "first_flat" in scatter.WindowScatter()(mod)[gathers[0]].script()
+    rng = np.random.default_rng(9)
+    x = rng.integers(-2, 3, shape) if ties else rng.standard_normal(shape)
+    w = np.ones(shape) if ties else rng.standard_normal(shape)
+    args = [tvm.runtime.tensor(v.astype(dtype)) for v in (x, w)]
+    _, (got,) = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())["main_adjoint"](*args)
+    _, (want,) = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main_adjoint"](*args)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    if dtype == "float64":
+        import torch
+
+        tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        tw = torch.tensor(w, dtype=torch.float64)
+        kernel = pool["pool_size"]
+        top, left, bottom, right = (pool["padding"],) * 4 if isinstance(pool["padding"], int) \
+            else pool["padding"]  # fmt: skip
+        padded = torch.nn.functional.pad(tx * tw, (left, right, top, bottom), value=-np.inf)
+        pooled = torch.nn.functional.max_pool2d(padded, kernel, pool["strides"])
+        (pooled * pooled).sum().backward()
+        np.testing.assert_allclose(got.numpy(), tx.grad.numpy(), rtol=1e-10, atol=1e-12)
