@@ -48,6 +48,7 @@ from .schedules import (
     LegalizeOpsOnce,
     MatmulToBLAS,
     MeanAsSum,
+    NllLossGradAsMask,
     ScheduleCPU,
     ScheduleGPU,
     SerialVectorLoops,
@@ -269,8 +270,8 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
 def cpu_pipeline(
     target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
 ) -> tvm.transform.Pass:
-    """The Relax pipeline for an ``llvm`` target: :class:`WindowScatter`, :class:`IntegerPowers`,
-    :class:`ConvToMatmul`,
+    """The Relax pipeline for an ``llvm`` target: :class:`WindowScatter`,
+    :class:`NllLossGradAsMask`, :class:`IntegerPowers`, :class:`ConvToMatmul`,
     :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum` and
     ``EliminateCommonSubexpr`` (a batch norm's statistics in its forward and gradient, and a
     convolution's im2col in its forward and weight gradient: computed once) before
@@ -305,8 +306,9 @@ def cpu_pipeline(
     """
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
-    before = [WindowScatter(), IntegerPowers(), ConvToMatmul(summed), MatmulToBLAS(),
-              ShareStatistics(), MeanAsSum(), relax.transform.EliminateCommonSubexpr()]  # fmt: skip
+    before = [WindowScatter(), NllLossGradAsMask(), IntegerPowers(), ConvToMatmul(summed),
+              MatmulToBLAS(), ShareStatistics(), MeanAsSum(),
+              relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
         schedule, before, [SerialVectorLoops(), FastMath(), WithoutSeqScopes()], [],
         "relaxgrad.cpu_pipeline",

@@ -30,6 +30,7 @@ from .fold import FoldConstantCalls
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
 from .legalize import LegalizeOpsOnce
+from .losses import NllLossGradAsMask
 from .means import MeanAsSum
 from .powers import IntegerPowers
 from .rows import FuseRowReductions, RowLocal
@@ -52,6 +53,7 @@ __all__ = [
     "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
+    "NllLossGradAsMask",
     "ShareStatistics",
     "ParallelLoops",
     "RowColumnLocal",

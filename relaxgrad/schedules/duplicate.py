@@ -16,7 +16,10 @@ so one of them that is itself such a producer gains a reader; rounds repeat unti
 copied (batch norm's gradient: ``c * rstd`` copied, then ``c``; GPT-2's GELU, whose gradient
 reads ``x * x`` and ``x + 0.044715 x ** 3``: both copied, then the cube, its product with
 the constant and the bias sum, so that the forward and the gradient each read the gemm's
-rows once, 92 -> 55 ms a step).
+rows once, 92 -> 55 ms a step). A producer of no full-size operand (a broadcast mask, as the
+cross-entropy's gradient, :class:`~relaxgrad.schedules.NllLossGradAsMask`) is copied too. A
+copy computes at most ``_MAX_COST`` ops, its producers' copies included: a chain whose steps
+read the step before twice (``a = a * a + a``) would otherwise double its work per step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ._common import ELEMWISE, INJECTIVE, static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
+_MAX_COST = 32  # ops a copy may recompute (GPT-2's GELU's x + 0.044715 x ** 3: 12)
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
@@ -135,6 +139,7 @@ class _Rewriter(PyExprMutator):
             read_anywhere[hash(var)] = read_anywhere.get(hash(var), 0) + 1
         cheap = {}
         roots: dict = {}  # the full-size vars (handles) each elementwise producer expands to
+        costs: dict = {}  # the ops a copy of it computes, its producers' copies included
         for b, var, pattern, args, _ in facts:
             if pattern is None or pattern > 1 or not isinstance(var, relax.DataflowVar):
                 continue
@@ -146,9 +151,12 @@ class _Rewriter(PyExprMutator):
             for arg, arg_size in zip(args, sizes):
                 if arg_size == size:
                     found |= roots.get(hash(arg), {hash(arg)})
-            if len(found) != 1:
+            if len(found) > 1:
                 continue  # copies would keep two full-size vars alive for one
-            roots[hash(var)] = found
+            cost = 1 + sum(costs.get(hash(arg), 0) for arg in args)  # (x * x: x's twice)
+            if cost > _MAX_COST:
+                continue  # a chain reading each step twice (a = a * a + a) would grow 2 ** n
+            roots[hash(var)], costs[hash(var)] = found, cost
             users = readers.get(hash(var), [])
             if len(users) < 2 or read_anywhere.get(hash(var), 0) != len(users):
                 continue  # read by something other than call_tir, e.g. a tuple or the output
