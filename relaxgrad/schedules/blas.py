@@ -474,8 +474,6 @@ def parts_gemm_func(a_shape, parts: list[tuple], threads: int | None = None) -> 
     return _parsed_tasks(head + lines, extra)
 
 
-
-
 @tvm.transform.module_pass(opt_level=0, name="MatmulToBLAS")
 class MatmulToBLAS:
     """Rewrite large float32 matmuls into OpenBLAS calls (see the module docstring)."""
@@ -541,7 +539,7 @@ class _Rewriter(PyExprMutator):
         parts = self._parts(b) if not trans_a and not trans_b else None
         if parts is not None:
             shapes = [(static_shape(w), trans) for w, trans in parts]
-            key = (tuple(static_shape(a)), *((tuple(s), t) for s, t in shapes))
+            key = ("parts", tuple(static_shape(a)), *((tuple(s), t) for s, t in shapes))
             if key not in self.funcs:
                 func = parts_gemm_func(static_shape(a), shapes)
                 self.funcs[key] = self.builder_.add_func(func, "sgemm_parts")
