@@ -42,10 +42,10 @@ CASES = [  # (weighted, reduction, ignore_index)
 
 @pytest.mark.parametrize(("weighted", "reduction", "ignore"), CASES)
 def test_nll_loss_gradient_is_a_masked_broadcast(weighted, reduction, ignore):
-    n, c = 24, 37
+    n, c = 64, 1031  # the rewrite's default from 65536 elements
     mod = _module(n, c, weighted, reduction, ignore)
     if not weighted:  # (the weighted loss's rule writes its own one-hot product)
-        rewritten = NllLossGradAsMask()(mod)["main_adjoint"].script()
+        rewritten = NllLossGradAsMask(min_elements=0)(mod)["main_adjoint"].script()
         assert "nll_loss_backward" not in rewritten and "R.where" in rewritten
     rng = np.random.default_rng(11)
     z = rng.standard_normal((n, c))
@@ -78,14 +78,14 @@ def test_other_shapes_keep_the_legalization():
             out = bb.emit_output(op.nn.nll_loss(op.nn.log_softmax(z, axis=1), y))
         bb.emit_func_output(out)
     mod = relaxgrad.Gradient("main", require_grads=[z])(bb.get())
-    assert "nll_loss_backward" in NllLossGradAsMask()(mod)["main_adjoint"].script()
+    assert "nll_loss_backward" in NllLossGradAsMask(0)(mod)["main_adjoint"].script()
 
 
 @pytest.mark.parametrize(("weighted", "reduction", "ignore"), CASES)
 def test_nll_loss_backward_called_directly_keeps_its_values(weighted, reduction, ignore):
     """``nll_loss_backward`` as a program may call it (weights included): the rewrite's
     values are the legalization's."""
-    n, c = 16, 9
+    n, c = 72, 1000
     g = relax.Var("g", relax.TensorType((), "float32"))
     p = relax.Var("p", relax.TensorType((n, c), "float32"))
     y = relax.Var("y", relax.TensorType((n,), "int64"))
@@ -98,7 +98,8 @@ def test_nll_loss_backward_called_directly_keeps_its_values(weighted, reduction,
             out = bb.emit_output(op.multiply(grad, p))
         bb.emit_func_output(out)
     mod = bb.get()
-    assert "nll_loss_backward" not in NllLossGradAsMask()(mod).script()
+    assert "nll_loss_backward" not in NllLossGradAsMask(min_elements=0)(mod).script()
+    assert "nll_loss_backward" in NllLossGradAsMask(min_elements=n * c + 1)(mod).script()
     rng = np.random.default_rng(12)
     y_values = rng.integers(0, c, n)
     y_values[::4] = 2
