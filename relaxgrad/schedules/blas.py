@@ -753,11 +753,11 @@ class _Block:
         if d_shape is None or w_shape is None or len(w_shape) != 2:
             return None
         rows = d_shape[:-1]
-        if rows + w_shape[1:] != shape and (
-            inner is term or w_shape[1] != shape[-1] or math.prod(rows) != math.prod(shape[:-1])
-        ):
-            return None
-        if not _float32(d, w):
+        if inner is term:  # the product itself
+            fits = rows + w_shape[1:] == shape
+        else:  # reshaped over its rows
+            fits = w_shape[1] == shape[-1] and math.prod(rows) == math.prod(shape[:-1])
+        if not fits or not _float32(d, w):
             return None
         column = _Column(term, self.canonical(d), w, tuple(rows))
         column.bindings.add(inner)
@@ -997,7 +997,6 @@ class _MergedHeads(PyExprMutator):
         if math.prod(p_shape) * op_a[-1] < self.min_macs:
             return None
         return a, b, trans_a, trans_b, heads[2]
-
 
     def _read_once(self, var):
         """The value bound to ``var`` if it is read once, else None."""

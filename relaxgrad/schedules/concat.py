@@ -72,9 +72,8 @@ def legalize_concat(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     shapes = [static_shape(f) for f in fields.fields] if isinstance(fields, relax.Tuple) else []
     out_shape = static_shape(call)
     flat = call.attrs.axis is None  # the parts flattened first
-    if flat or not shapes or any(s is None or len(s) == 0 for s in shapes) or out_shape is None:
-        return Op.get("relax.concat").get_attr("FLegalize")(bb, call)
-    if math.prod(out_shape) < _MIN_ELEMENTS:
+    static = shapes and all(s for s in shapes) and out_shape is not None
+    if flat or not static or math.prod(out_shape) < _MIN_ELEMENTS:
         return Op.get("relax.concat").get_attr("FLegalize")(bb, call)
     axis = int(call.attrs.axis) % len(out_shape)
     dtype = call.ty.dtype
