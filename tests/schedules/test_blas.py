@@ -473,6 +473,35 @@ def test_merged_heads_are_written_in_place(transposes, flat):
     _check_heads(mod, transposes, leak=False, flat=flat)
 
 
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_products_in_unpacked_pieces(trans_a, monkeypatch):
+    """On a core whose OpenBLAS kernels multiply small products unpacked, each matrix of a
+    batch, or each head, is cut into calls of fewer rows (the last one shorter), except
+    where ``op(b)`` is a transpose and ``a`` is not; the results stay the same."""
+    monkeypatch.setattr(blas, "CORE", "SkylakeX")
+    monkeypatch.setattr(blas, "_UNPACKED_MACS", 40_000)
+    monkeypatch.setattr(blas, "_SPLIT_MACS", 0)
+    batch, heads, rows, width = HEADS
+    assert blas.unpacked_rows(rows, width, 72, trans_b=False) == 16
+    assert blas.unpacked_rows(rows, width, 72, trans_b=True) == rows
+    assert blas.unpacked_rows(40, 24, 64, trans_b=False) == 16  # pieces of 16, 16 and 8
+    transposes = [(trans_a, False), (False, False)]
+    mod = _heads_module(transposes, flat=True)
+    script = blas.MatmulToBLAS()(mod).script()
+    assert script.count("R.call_tir(cls.sgemm_heads") == 1
+    _check_heads(mod, transposes, leak=False, flat=True)
+    rng = np.random.default_rng(7)
+    a_shape, b_shape = ((3, 64, 40) if trans_a else (3, 40, 64)), (3, 64, 24)
+    lhs, rhs = rng.standard_normal((3, 40, 64)), rng.standard_normal(b_shape)
+    a = np.ascontiguousarray(np.swapaxes(lhs, -1, -2)) if trans_a else lhs
+    func = blas.gemm_func(a_shape, b_shape, (3, 40, 24), trans_a, False, threads=2)
+    assert "T.parallel(9)" in func.script()  # three pieces per matrix
+    lib = tvm.compile(func.with_attr("global_symbol", "main"), target="llvm")
+    out = tvm.runtime.tensor(np.zeros((3, 40, 24), "float32"))
+    lib(tvm.runtime.tensor(a.astype("float32")), tvm.runtime.tensor(rhs.astype("float32")), out)
+    np.testing.assert_allclose(out.numpy(), lhs @ rhs, rtol=1e-4, atol=1e-3)
+
+
 def test_product_read_elsewhere_keeps_its_heads_apart():
     """The first product is also returned: it is computed on its own and merged by a transpose,
     the second one's heads are written in place, and the two are concatenated."""
