@@ -178,7 +178,8 @@ def unpacked_rows(m: int, n: int, k: int, trans_b: bool) -> int:
     pieces = -(-macs // _UNPACKED_MACS)
     if pieces > 16:  # a large product: packing pays
         return m
-    step = -(-(-(-m // pieces)) // 16) * 16  # even pieces, in whole vectors of rows
+    even = -(-m // pieces)
+    step = -(-even // 16) * 16  # even pieces, in whole vectors of rows
     while step * n * k > _UNPACKED_MACS:
         step -= 16
     return step if step > 0 else m
