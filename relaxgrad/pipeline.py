@@ -49,6 +49,7 @@ from .schedules import (
     MatmulToBLAS,
     MeanAsSum,
     NllLossGradAsMask,
+    RowSparseGradients,
     ScheduleCPU,
     ScheduleGPU,
     SerialVectorLoops,
@@ -270,9 +271,9 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
 def cpu_pipeline(
     target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
 ) -> tvm.transform.Pass:
-    """The Relax pipeline for an ``llvm`` target: :class:`WindowScatter`,
-    :class:`NllLossGradAsMask`, :class:`IntegerPowers`, :class:`ConvToMatmul`,
-    :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum` and
+    """The Relax pipeline for an ``llvm`` target: :class:`RowSparseGradients`,
+    :class:`WindowScatter`, :class:`NllLossGradAsMask`, :class:`IntegerPowers`,
+    :class:`ConvToMatmul`, :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum` and
     ``EliminateCommonSubexpr`` (a batch norm's statistics in its forward and gradient, and a
     convolution's im2col in its forward and weight gradient: computed once) before
     legalization, then
@@ -306,7 +307,8 @@ def cpu_pipeline(
     """
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
-    before = [WindowScatter(), NllLossGradAsMask(), IntegerPowers(), ConvToMatmul(summed),
+    before = [RowSparseGradients(), WindowScatter(), NllLossGradAsMask(), IntegerPowers(),
+              ConvToMatmul(summed),
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(

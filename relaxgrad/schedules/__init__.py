@@ -3,9 +3,11 @@
 :class:`ScheduleGPU` (dlight's CUDA rules plus :class:`FullReduction`) and :class:`ScheduleCPU`
 (:class:`TiledMatmul`, :class:`RowLocal`, :class:`ColumnLocal`, :class:`ParallelLoops`) share one
 mechanism: a rule that raises or whose schedule fails verification falls through to the next, and
-the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds write an
-overlapping max pool's gradient as a scatter (:class:`WindowScatter`), small whole powers as
-products (:class:`IntegerPowers`) and rewrite convolutions into matmuls
+the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds compute a
+gradient that is zero but at a few rows of a sequence (a classifier's first token) on those rows
+(:class:`RowSparseGradients`), write an overlapping max pool's gradient as a scatter
+(:class:`WindowScatter`), small whole powers as products (:class:`IntegerPowers`) and rewrite
+convolutions into matmuls
 (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
 into means of the gradient's form (:class:`ShareStatistics`) and means into sums that fuse with the
 products they reduce (:class:`MeanAsSum`), then legalize with each operator's legalization reused
@@ -36,6 +38,7 @@ from .powers import IntegerPowers
 from .rows import FuseRowReductions, RowLocal
 from .scatter import WindowScatter
 from .serial import SerialVectorLoops
+from .sparse_rows import RowSparseGradients
 from .statistics import ShareStatistics
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 
@@ -58,6 +61,7 @@ __all__ = [
     "ParallelLoops",
     "RowColumnLocal",
     "RowLocal",
+    "RowSparseGradients",
     "ScheduleCPU",
     "ScheduleGPU",
     "SerialVectorLoops",

@@ -170,8 +170,9 @@ def unpacked_rows(m: int, n: int, k: int, trans_b: bool) -> int:
     (those of its SkylakeX core, :data:`CORE`, up to about :data:`_UNPACKED_MACS`
     multiply-adds). An attention head's ``(128, 128) @ (128, 64)`` in two calls of 64 rows
     ran 1.3x faster (single-threaded: 204 GF/s in one call, 262 in two; AVX2 cores, which
-    have no such kernels, ran the two calls 2% slower). Not for ``op(b) = b^T`` with ``a``
-    as it is: those calls ran slower in pieces (193 GF/s in one call, 175 in two)."""
+    have no such kernels, ran the two calls 2% slower). Not where ``op(b) = b^T``: with
+    ``a`` as it is, such calls ran slower in pieces (193 GF/s in one call, 175 in two), and
+    with both transposed, in pieces of 43 or 52 rows."""
     macs = m * n * k
     if CORE.lower() not in _UNPACKED_CORES or trans_b or macs <= _UNPACKED_MACS:
         return m
