@@ -84,6 +84,15 @@ class _Rows:
         )  # fmt: skip
 
 
+def _is_source(value) -> bool:
+    """Whether ``value`` may be a gradient this pass keeps as rows (its cheap test)."""
+    return (
+        _is(value, "relax.grad.take_backward")
+        and int(value.attrs.axis) == 1
+        and isinstance(value.args[2], _ty.Constant)
+    )
+
+
 def _is(call, name: str) -> bool:
     return isinstance(call, relax.Call) and isinstance(call.op, Op) and call.op.name == name
 
@@ -98,7 +107,7 @@ class _Rewriter(PyExprMutator):
         self.values: dict = {}  # var -> the value bound to it (in the function as it was)
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        if not may_change(func, lambda value: _is(value, "relax.grad.take_backward")):
+        if not may_change(func, _is_source):
             return func
         if isinstance(func.body, relax.SeqExpr):
             self.values = {b.var: b.value for block in func.body.blocks for b in block.bindings}
@@ -108,9 +117,10 @@ class _Rewriter(PyExprMutator):
         var, value = binding.var, binding.value
         if self._kept(var, value):
             return None
-        for read in relax.analysis.free_vars(value):
-            if read in self.rows or read in self.transposed:
-                self._write_dense(read)
+        if self.rows:
+            for read in relax.analysis.free_vars(value):
+                if read in self.rows or read in self.transposed:
+                    self._write_dense(read)
         return super().visit_var_binding_(binding)
 
     def _write_dense(self, var) -> None:
