@@ -12,10 +12,16 @@ from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
-from relaxgrad.schedules import RowSparseGradients
+from relaxgrad.schedules import RowSparseGradients, sparse_rows
 from relaxgrad.testing import check_gradients
 
 B, S, H, F = 4, 16, 32, 48
+
+
+@pytest.fixture(autouse=True)
+def _small_gradients_too(monkeypatch):
+    """These gradients are smaller than the pass's default threshold (2**16 elements)."""
+    monkeypatch.setattr(sparse_rows, "MIN_ELEMENTS", 0)
 
 
 def _classifier(dtype: str = "float32", token=0, attention: bool = False) -> tvm.IRModule:
@@ -109,7 +115,9 @@ def test_gradient_read_whole_is_written_dense_once():
 
 
 def test_other_gradients_are_left_alone():
-    """Rows along the last axis, a non-constant index, or more than a quarter of the rows:
-    unchanged."""
+    """More than a quarter of the rows, or a gradient under ``min_elements``: unchanged."""
     many = _adjoint(_classifier(token=list(range(6))))
     assert RowSparseGradients()(many).script() == many.script()
+    small = _adjoint(_classifier())
+    assert RowSparseGradients(min_elements=B * S * H + 1)(small).script() == small.script()
+    assert "take_backward" not in RowSparseGradients(B * S * H)(small).script()
