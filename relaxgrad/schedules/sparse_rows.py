@@ -363,4 +363,6 @@ class _Rewriter(PyExprMutator):
         weight = static_shape(b)
         if weight is None or len(weight) != 2 or rows.merged(shape) is None:
             return False
+        if len(rows.shape) < (2 if rows.merged(rows.shape) else 3):
+            return False  # the rows would be the product's k
         return self._keep(var, rows, op.matmul(rows.value, self.visit_expr(b)), shape)
