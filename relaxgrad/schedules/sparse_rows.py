@@ -190,12 +190,10 @@ class _Rewriter(PyExprMutator):
             return _is_source(value, self.min_elements) and self._source(var, value, shape)
         if name == "relax.matmul":
             return self._matmul(var, value, shape)
-        args = value.args
-        if not args or not isinstance(args[0], relax.Var):
-            return False
-        rows = self.rows.get(args[0])
         if name in _KEEPS_ZEROS:
             return self._binary(var, value, shape)
+        args = value.args
+        rows = self.rows.get(args[0]) if args and isinstance(args[0], relax.Var) else None
         if rows is None:
             return False
         op = relax.op
