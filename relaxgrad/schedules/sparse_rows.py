@@ -220,18 +220,16 @@ class _Rewriter(PyExprMutator):
         return False
 
     def _source(self, var, call, shape) -> bool:
-        g, x, indices = call.args[:3]
-        if int(call.attrs.axis) != 1 or len(shape) < 3 or not isinstance(indices, _ty.Constant):
+        """``take_backward(g, x, indices, axis=1)`` (:func:`_is_source`) of contiguous indices
+        within the rows (a negative one, whose meaning depends on the mode, is left alone), a
+        quarter of them at most: its rows are ``g``'s."""
+        g, indices = call.args[0], call.args[2]
+        if len(shape) < 3 or static_shape(g) is None or not isinstance(var, relax.DataflowVar):
             return False
-        if static_shape(g) is None:
-            return False
-        values = indices.value.numpy().reshape(-1).tolist()
+        values = [int(v) for v in indices.value.numpy().reshape(-1).tolist()]
         batch, seq = shape[:2]
-        values = [int(v) + seq if int(v) < 0 else int(v) for v in values]
         start, count = (values[0], len(values)) if values else (0, 0)
-        if not values or values != list(range(start, start + count)) or not isinstance(
-            var, relax.DataflowVar
-        ):
+        if not values or values != list(range(start, start + count)):
             return False
         if start < 0 or start + count > seq or 4 * count > seq:
             return False
@@ -271,7 +269,9 @@ class _Rewriter(PyExprMutator):
             if name == "relax.divide":
                 return False
             return self._keep(var, rows, op(first.value, second.value), shape)
-        if name in ("relax.add", "relax.subtract") or (name == "relax.divide" and second):
+        if name in ("relax.add", "relax.subtract") or (
+            name == "relax.divide" and second is not None
+        ):
             return False  # a dense sum is dense; so is a division by zeros
         other = self._taken(b if first is not None else a, rows, shape)
         if other is None:

@@ -66,9 +66,10 @@ def _adjoint(mod: tvm.IRModule) -> tvm.IRModule:
     return relaxgrad.Gradient("main")(mod)
 
 
-@pytest.mark.parametrize("token", [0, 5, [2, 3]])
+@pytest.mark.parametrize("token", [0, 5, [2, 3], S - 1])
 def test_rows_match_the_dense_gradient(token):
-    """The first token's (or a middle one's, or two rows') gradient runs on its rows: no
+    """The first token's (or a middle one's, two rows', the last one's) gradient runs on its
+    rows: no
     ``take_backward`` is left, the backward's products have B rows (2 B), and every
     gradient equals TVM's own pipeline's (dense) on the same adjoint."""
     adjoint = _adjoint(_classifier(token=token))
