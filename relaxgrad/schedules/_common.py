@@ -9,7 +9,7 @@ from collections.abc import Callable
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
-from tvm.ir import IRModule
+from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.script.parser.core.entry import parse
 from tvm.target import Target
@@ -101,6 +101,11 @@ def rebind(mutator, old: relax.Var, value: relax.Expr) -> None:
     else:
         new = mutator.builder_.emit_output(value, old.name)
     mutator.set_var_remap(old, new)
+
+
+def is_op(expr, op: Op) -> bool:
+    """Whether ``expr`` is a call of the operator ``op``."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)
 
 
 def static_shape(expr) -> list[int] | None:

@@ -51,6 +51,7 @@ from .. import _ty
 from ._common import (
     OPAQUE,
     bound_values,
+    is_op,
     may_change,
     parsed_script,
     read_counts,
@@ -561,7 +562,7 @@ class _Rewriter(PyExprMutator):
 
     def _out_shape(self, call) -> list[int] | None:
         """The result's shape if ``call`` is a matmul to rewrite, else None."""
-        if not _is(call, self.matmul):
+        if not is_op(call, self.matmul):
             return None
         shapes = [static_shape(t) for t in (*call.args, call)]
         if any(s is None or len(s) < 2 for s in shapes) or not _float32(*call.args, call):
@@ -591,7 +592,7 @@ class _Rewriter(PyExprMutator):
         """``[(b_i, trans_i)]`` when ``b`` is a concatenation of 2-D ``op(b_i)`` along its
         rows (:class:`_ConcatenatedProducts`' weights), else None."""
         bound = self.lookup_binding(b) if isinstance(b, relax.Var) else None
-        if not _is(bound, Op.get("relax.concat")) or not isinstance(bound.args[0], relax.Tuple):
+        if not is_op(bound, Op.get("relax.concat")) or not isinstance(bound.args[0], relax.Tuple):
             return None
         fields = bound.args[0].fields
         if bound.attrs.axis is None or int(bound.attrs.axis) != 0:
@@ -630,7 +631,7 @@ class _TransposedProducts(PyExprMutator):
         return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        product = call.args[0] if _is(call, self.permute) and call.args else None
+        product = call.args[0] if is_op(call, self.permute) and call.args else None
         shape = static_shape(product) if product is not None else None
         if shape is None or len(shape) < 2 or not _swaps_last_two(call, len(shape)):
             return super().visit_call_(call)
@@ -640,9 +641,9 @@ class _TransposedProducts(PyExprMutator):
         if self.uses.get(base, 0) != 1:
             return super().visit_call_(call)
         bound = self.lookup_binding(self.visit_expr(base))
-        summed = _is(bound, self.collapse) and base is product
+        summed = is_op(bound, self.collapse) and base is product
         inner = self.lookup_binding(bound.args[0]) if summed else bound
-        if not _is(inner, self.matmul) or any(static_shape(x) is None for x in inner.args):
+        if not is_op(inner, self.matmul) or any(static_shape(x) is None for x in inner.args):
             return super().visit_call_(call)
         a, b = inner.args
         swapped = relax.op.matmul(self._transposed(b), self._transposed(a))
@@ -725,7 +726,7 @@ class _Block:
 
     def bound(self, var, name: str) -> relax.Call | None:
         value = self.values.get(var) if isinstance(var, relax.Var) else None
-        return value if _is(value, Op.get(name)) else None
+        return value if is_op(value, Op.get(name)) else None
 
     def only_reader(self, var):
         found = self.readers.get(var, [])
@@ -965,7 +966,7 @@ class _MergedHeads(PyExprMutator):
         self.uses, self.values, self.claimed = read_counts(func), bound_values(func), set()
         found = [value for value in self.values.values() if self._parts(value) is not None]
         for value in found:
-            if _is(value, Op.get("relax.concat")):
+            if is_op(value, Op.get("relax.concat")):
                 self.claimed |= set(value.args[0].fields)
         nested = any(isinstance(v, relax.If | relax.Function) for v in self.values.values())
         if not found and not nested:
@@ -989,7 +990,7 @@ class _MergedHeads(PyExprMutator):
     def _parts(self, value) -> list[tuple] | None:
         """``[(a, b, trans_a, trans_b, S)]`` of the merged heads ``value`` (a merge or a
         concatenation of merges along the last axis, of one ``S``), else None."""
-        if _is(value, Op.get("relax.concat")):
+        if is_op(value, Op.get("relax.concat")):
             shape = static_shape(value)
             fields = value.args[0]
             if not isinstance(fields, relax.Tuple) or shape is None or len(shape) not in (2, 3):
@@ -1009,19 +1010,19 @@ class _MergedHeads(PyExprMutator):
         matmul(op(a), op(b))`` of shape ``(B, H, S, D)``, or ``(B * H, S, D)`` reshaped to it
         (:func:`_through_batch_views`), float32, each value read only there."""
         out = static_shape(value)
-        if not _is(value, Op.get("relax.reshape")) or out is None:
+        if not is_op(value, Op.get("relax.reshape")) or out is None:
             return None
         permute = self._read_once(value.args[0])
-        while _is(permute, Op.get("relax.reshape")):  # (B, S, H * D) -> (B * S, H * D)
+        while is_op(permute, Op.get("relax.reshape")):  # (B, S, H * D) -> (B * S, H * D)
             permute = self._read_once(permute.args[0])
-        if not _is(permute, Op.get("relax.permute_dims")) or permute.attrs.axes is None:
+        if not is_op(permute, Op.get("relax.permute_dims")) or permute.attrs.axes is None:
             return None
         if [int(v) for v in permute.attrs.axes] != [0, 2, 1, 3]:
             return None
         heads = static_shape(permute.args[0])  # (B, H, S, D)
         var = _through_batch_views(self.values.get, permute.args[0], self.uses)
         product = self._read_once(var)
-        if not _is(product, Op.get("relax.matmul")) or not _float32(product, *product.args):
+        if not is_op(product, Op.get("relax.matmul")) or not _float32(product, *product.args):
             return None
         (a, trans_a), (b, trans_b) = (_untransposed(self, x) for x in product.args)
         shapes = [static_shape(x) for x in (a, b, product.args[0], product)]
@@ -1075,7 +1076,7 @@ class _SummedProducts(PyExprMutator):
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not _is(call, self.collapse):
+        if not is_op(call, self.collapse):
             return call
         product = self._bound(call.args[0], self.matmul)
         if product is None or not _float32(product):
@@ -1151,7 +1152,7 @@ class _SummedProducts(PyExprMutator):
 
     def _bound(self, expr, op: Op) -> relax.Call | None:
         bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-        return bound if _is(bound, op) else None
+        return bound if is_op(bound, op) else None
 
 
 def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bool]:
@@ -1165,7 +1166,7 @@ def _untransposed(mutator: PyExprMutator, x: relax.Expr) -> tuple[relax.Expr, bo
     while True:
         y = _through_batch_views(mutator.lookup_binding, y)
         bound = mutator.lookup_binding(y) if isinstance(y, relax.Var) else None
-        if not _is(bound, Op.get("relax.permute_dims")):
+        if not is_op(bound, Op.get("relax.permute_dims")):
             break
         if not _swaps_last_two(bound, len(static_shape(y))):
             break
@@ -1187,13 +1188,13 @@ def _through_batch_views(lookup, x: relax.Expr, uses: dict | None = None):
         if uses is not None and uses.get(x, 0) != 1:
             break
         bound = lookup(x)
-        if not any(_is(bound, op) for op in _VIEWS):
+        if not any(is_op(bound, op) for op in _VIEWS):
             break
         inner = bound.args[0]
         inner_shape = static_shape(inner)
         if inner_shape is None or len(inner_shape) < 2 or inner_shape[-2:] != shape[-2:]:
             break
-        if not _is(bound, _VIEWS[0]) and inner_shape != shape:
+        if not is_op(bound, _VIEWS[0]) and inner_shape != shape:
             break  # broadcast_to / collapse_sum_to: only as identities
         x, shape = inner, inner_shape
     return x
@@ -1211,10 +1212,6 @@ def _swaps_last_two(permute: relax.Call, ndim: int) -> bool:
 def _last_two_swapped(ndim: int) -> list[int]:
     """The axes of ``permute_dims`` that swaps the last two of ``ndim``."""
     return [*range(ndim - 2), ndim - 1, ndim - 2]
-
-
-def _is(expr, op: Op) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)
 
 
 def _float32(*exprs) -> bool:

@@ -33,13 +33,14 @@ from ._common import (
     SPATIAL,
     bound_values,
     is_one,
+    is_op,
     read_counts,
     rebind,
     rewrite_functions,
     sblocks,
     static_shape,
 )
-from .blas import THREADS, _is
+from .blas import THREADS
 from .cpu import _cpu_blocks, _tile, _vector_lanes
 from .rows import _reduces
 
@@ -152,7 +153,7 @@ def _merged(producer: relax.Function, total: relax.Call) -> relax.Function:
 
 
 def _is_call_tir(value) -> bool:
-    return _is(value, tvm.ir.Op.get("relax.call_tir"))
+    return is_op(value, tvm.ir.Op.get("relax.call_tir"))
 
 
 def _pattern(func) -> int:

@@ -46,12 +46,12 @@ from . import blas
 from ._common import (
     OPAQUE,
     bound_values,
+    is_op,
     may_change,
     read_counts,
     rewrite_functions,
     static_shape,
 )
-from .blas import _is
 from .cpu import _vector_lanes, _vectorize_unrolled
 
 
@@ -97,7 +97,7 @@ class _Rewriter(PyExprMutator):
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         ops = (self.conv2d, self.conv2d_transpose, self.max_pool_backward)
-        if not may_change(func, lambda value: any(_is(value, op) for op in ops)):
+        if not may_change(func, lambda value: any(is_op(value, op) for op in ops)):
             return func  # (a relu mask goes with a max-pool gradient)
         self.masks, self.masked = _relu_masks(func, self.max_pool_backward), {}
         self.values = bound_values(func)
@@ -115,7 +115,7 @@ class _Rewriter(PyExprMutator):
                 self.set_var_remap(binding.var, self.masked[binding.var])
                 return None
         value = binding.value
-        if _is(value, Op.get("relax.where")) and value.args[2] in self.masked:
+        if is_op(value, Op.get("relax.where")) and value.args[2] in self.masked:
             self.set_var_remap(binding.var, self.masked[value.args[2]])
             return None
         return super().visit_var_binding_(binding)
@@ -154,9 +154,9 @@ class _Rewriter(PyExprMutator):
         a ``CNHW`` convolution with more taps than the kernel (a strided convolution's: the
         rule's convolution reaches past the kernel, a 1x1 kernel of stride 2 as a 2x2 one),
         computed for the kernel's taps only (the full one is left unread)."""
-        source = call.args[0] if _is(call, Op.get("relax.strided_slice")) else None
+        source = call.args[0] if is_op(call, Op.get("relax.strided_slice")) else None
         conv_call = self.values.get(source) if isinstance(source, relax.Var) else None
-        if not (_is(conv_call, self.conv2d) and int(conv_call.attrs.groups) == 1):
+        if not (is_op(conv_call, self.conv2d) and int(conv_call.attrs.groups) == 1):
             return None
         attrs = conv_call.attrs
         if (attrs.data_layout, attrs.kernel_layout, attrs.out_layout) != ("CNHW", "IOHW", "CNHW"):
@@ -516,14 +516,14 @@ def _relu_masks(func: relax.Function, max_pool_backward: Op) -> dict:
     position = {var: i for i, var in enumerate(values)}
     masks = {}
     for var, value in values.items():
-        if not (isinstance(var, relax.DataflowVar) and _is(value, Op.get("relax.where"))):
+        if not (isinstance(var, relax.DataflowVar) and is_op(value, Op.get("relax.where"))):
             continue
         cond, zero, p = value.args
         cond = values.get(cond, cond)
-        if not (_is(cond, Op.get("relax.less")) and _is_zero(cond.args[1]) and _is_zero(zero)):
+        if not (is_op(cond, Op.get("relax.less")) and _is_zero(cond.args[1]) and _is_zero(zero)):
             continue
         t = cond.args[0]
-        if not (reads.get(p) == 1 and _is(values.get(p), max_pool_backward)):
+        if not (reads.get(p) == 1 and is_op(values.get(p), max_pool_backward)):
             continue
         if static_shape(t) == static_shape(p) and position.get(t, -1) < position[p]:
             masks[p] = t

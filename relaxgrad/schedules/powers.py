@@ -18,8 +18,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import may_change, rewrite_functions
-from .blas import _is
+from ._common import is_op, may_change, rewrite_functions
 
 _POWER = Op.get("relax.power")
 
@@ -64,13 +63,13 @@ def _exponent(expr, lookup) -> int | None:
 @mutator
 class _Rewriter(PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        if not may_change(func, lambda value: _is(value, _POWER)):
+        if not may_change(func, lambda value: is_op(value, _POWER)):
             return func
         return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        if not _is(call, _POWER):
+        if not is_op(call, _POWER):
             return call
         x, exponent = call.args
         n = _exponent(exponent, self.lookup_binding)

@@ -37,9 +37,10 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import may_change, rebind, rewrite_functions, static_shape
+from ._common import is_op, may_change, rebind, rewrite_functions, static_shape
 
 _TAKE_BACKWARD = Op.get("relax.grad.take_backward")
+_PERMUTE = Op.get("relax.permute_dims")
 _KEEPS_ZEROS = {"relax.multiply", "relax.divide", "relax.add", "relax.subtract"}
 
 
@@ -97,14 +98,10 @@ class _Rows:
 
 def _is_source(value, min_elements: int) -> bool:
     """Whether ``value`` may be a gradient this pass keeps as rows (its cheap test)."""
-    if not _is(value, "relax.grad.take_backward") or int(value.attrs.axis) != 1:
+    if not is_op(value, _TAKE_BACKWARD) or int(value.attrs.axis) != 1:
         return False
     shape = static_shape(value)
     return isinstance(value.args[2], _ty.Constant) and math.prod(shape or [0]) >= min_elements
-
-
-def _is(call, name: str) -> bool:
-    return isinstance(call, relax.Call) and isinstance(call.op, Op) and call.op.name == name
 
 
 @mutator
@@ -340,7 +337,7 @@ class _Rewriter(PyExprMutator):
             return True
         if b in self.rows and a not in self.rows and a not in self.transposed:
             rows, bound = self.rows[b], self.values.get(a)  # x^T d
-            if not _is(bound, "relax.permute_dims") or len(rows.shape) != 2:
+            if not is_op(bound, _PERMUTE) or len(rows.shape) != 2:
                 return False
             source = bound.args[0]
             axes = bound.attrs.axes

@@ -29,8 +29,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import may_change, rewrite_functions, static_shape
-from .blas import _is
+from ._common import is_op, may_change, rewrite_functions, static_shape
 
 
 @tvm.transform.module_pass(opt_level=0, name="ShareStatistics")
@@ -50,7 +49,7 @@ class _Rewriter(PyExprMutator):
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         ops = (self.batch_norm, self.variance)
-        if not may_change(func, lambda value: any(_is(value, op) for op in ops)):
+        if not may_change(func, lambda value: any(is_op(value, op) for op in ops)):
             return func
         return super().visit_function_(func)
 
