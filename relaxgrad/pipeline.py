@@ -41,6 +41,7 @@ from .schedules import (
     DuplicateCheapProducers,
     FastMath,
     FoldConstantCalls,
+    FoldConstantOps,
     FuseColumnSums,
     FuseRowGroups,
     FuseRowReductions,
@@ -344,6 +345,7 @@ def _pipeline(
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
         *before_legalizing,
+        FoldConstantOps(),  # most of what FoldConstantCalls would build a kernel for
         legalize if legalize is not None else relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
         FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings

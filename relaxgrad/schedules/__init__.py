@@ -29,6 +29,7 @@ from .cpu import ParallelLoops, TiledMatmul
 from .duplicate import DuplicateCheapProducers
 from .fast_math import FastMath
 from .fold import FoldConstantCalls
+from .fold_ops import FoldConstantOps
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
 from .legalize import LegalizeOpsOnce
@@ -48,6 +49,7 @@ __all__ = [
     "DuplicateCheapProducers",
     "FastMath",
     "FoldConstantCalls",
+    "FoldConstantOps",
     "FullReduction",
     "FuseColumnSums",
     "FuseRowGroups",
