@@ -339,8 +339,9 @@ def _pipeline(
     after_fusing_tir: list[tvm.transform.Pass] = (),
     legalize: tvm.transform.Pass | None = None,
 ) -> tvm.transform.Pass:
-    """Legalize (``legalize``, default TVM's ``LegalizeOps``), fuse, ``schedule``, then TVM's
-    lowering and VM passes."""
+    """Fold constant operator calls (:class:`FoldConstantOps`), legalize (``legalize``, default
+    TVM's ``LegalizeOps``), fold the constant kernels left (:class:`FoldConstantCalls`), fuse,
+    ``schedule``, then TVM's lowering and VM passes."""
     passes = [
         relax.backend.DispatchSampling(),
         relax.backend.DispatchSortScan(),
