@@ -74,10 +74,10 @@ class _Folder(PyExprMutator):
         return super().visit_function_(func)
 
     def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.constants.get(var, var)
+        return self.constants[var] if var in self.constants else super().visit_var_(var)
 
     def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.constants.get(var, var)
+        return self.constants[var] if var in self.constants else super().visit_dataflow_var_(var)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
