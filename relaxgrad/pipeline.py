@@ -49,6 +49,7 @@ from .schedules import (
     LegalizeOpsOnce,
     MatmulToBLAS,
     MeanAsSum,
+    MergeSiblingKernels,
     NllLossGradAsMask,
     RowSparseGradients,
     ScheduleCPU,
@@ -313,7 +314,8 @@ def cpu_pipeline(
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
-        schedule, before, [SerialVectorLoops(), FastMath(), WithoutSeqScopes()], [],
+        schedule, before,
+        [SerialVectorLoops(), FastMath(), WithoutSeqScopes(), MergeSiblingKernels()], [],
         "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),

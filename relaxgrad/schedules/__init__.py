@@ -39,6 +39,7 @@ from .powers import IntegerPowers
 from .rows import FuseRowReductions, RowLocal
 from .scatter import WindowScatter
 from .serial import SerialVectorLoops
+from .siblings import MergeSiblingKernels
 from .sparse_rows import RowSparseGradients
 from .statistics import ShareStatistics
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
@@ -58,6 +59,7 @@ __all__ = [
     "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
+    "MergeSiblingKernels",
     "NllLossGradAsMask",
     "ShareStatistics",
     "ParallelLoops",
