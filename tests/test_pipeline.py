@@ -552,6 +552,30 @@ def test_sum_over_rows_with_a_per_row_scale_vectorizes_the_columns():
     np.testing.assert_allclose(got, (xs[0] * xs[1] * xs[2]).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["per_channel", "transpose"])
+def test_per_channel_values_are_not_tiled_as_a_transpose(transposed):
+    """An elementwise kernel over ``(N, C, HW)`` reading a per-channel vector (``w[c]``, as a
+    batch norm's scale) runs plain vector rows: that vector's innermost index is the channel,
+    but it is not a transpose (tiled as one, a batch norm's kernels read 32 channels' rows at
+    once). A real transpose keeps its square tiles (serial loops inside the parallel one)."""
+    shapes = [(8, 64, 1024), (64,)] if not transposed else [(8, 64, 1024), (8, 1024, 64)]
+
+    def body(bb, x, w):
+        if transposed:
+            return op.add(x, op.permute_dims(w, [0, 2, 1]))
+        return op.multiply(x, op.reshape(w, (1, 64, 1)))
+
+    mod = _module([(f"x{i}", s) for i, s in enumerate(shapes)], body)
+    after = _scheduled(_fused(mod), ScheduleCPU())
+    (func,) = [f for _, f in after.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert (tvm.tirx.ForKind.SERIAL in _loop_kinds(func)) == transposed
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    (got,) = _run(relaxgrad.compile(mod, "llvm"), "main", xs)
+    want = xs[0] + xs[1].transpose(0, 2, 1) if transposed else xs[0] * xs[1][None, :, None]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def _fused_kernel(mod, word: str):
     """The PrimFunc of ``mod``'s CPU pipeline, up to FuseTIR, whose name has ``word``."""
     passes = list(cpu_pipeline(host_target()).passes)

@@ -358,8 +358,16 @@ def _mentions(expr, var: tirx.Var) -> bool:
 
 
 def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:
-    """Whether ``block`` reads a buffer whose innermost index is ``var``, an outer loop's."""
-    return any(r.region and r.region[-1].min.same_as(var) for r in block.reads)
+    """Whether ``block`` reads a buffer whose innermost index is ``var``, an outer loop's,
+    along rows that vary: not a vector of one value per ``var`` (a batch norm's per-channel
+    scale, broadcast along the image: tiled as a transpose, its kernels read 32 channels'
+    rows at once, 25% slower)."""
+
+    def transposed(region) -> bool:
+        return (len(region) > 1 and region[-1].min.same_as(var)
+                and not isinstance(region[-2].min, tirx.IntImm))  # fmt: skip
+
+    return any(transposed(r.region) for r in block.reads)
 
 
 def _indexes_innermost(block: tirx.SBlock, var: tirx.Var) -> bool:
