@@ -406,9 +406,26 @@ class _Rewriter(PyExprMutator):
                                    tirx.const(0, data.dtype))  # fmt: skip
                 return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
 
+            def phase_value(b, ci, y, i, p):
+                # A row's positions of one phase: for a tap, its window's column is i plus a
+                # constant (the phase's column at i = 0, unclamped), so the row reads a plain
+                # vector of the columns where that is in the buffer (as for stride 1 above),
+                # and the clamped, checked gather only where it is not.
+                ky, row, inside_y = tap(axes[0], y, *reach[0])
+                kx, col, inside_x = tap(axes[1], i * sw + p, *reach[1])
+                inside = tirx.all(*inside_y, *inside_x)
+                tap_index = (ci * kh + ky) * kw + kx
+                read = selected(data[at(b, tap_index, row * gw + col)], inside)
+                start = row * gw + tirx.floordiv(p + left, sw) - axes[1]
+                flat = _flat(data, at(b, tap_index, start))
+                in_buffer = tirx.all(*inside_y, flat >= 0,
+                                     flat + wd // phases - 1 < _size(data))  # fmt: skip
+                fast = tirx.Select(inside, data[at(b, tap_index, start + i)],
+                                   tirx.const(0, data.dtype))  # fmt: skip
+                return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
+
             if phases > 1:
-                return te.compute((n, c, h, wd // phases, phases),
-                                  lambda b, ci, y, i, p: value(b, ci, y, i * sw + p),
+                return te.compute((n, c, h, wd // phases, phases), phase_value,
                                   name="col2im")  # fmt: skip
             return te.compute((n, c, h, wd), value, name="col2im")
 
