@@ -42,14 +42,44 @@ class FoldConstantCalls:
         return mod
 
 
+class ConstantBindings(PyExprMutator):
+    """What the constant folders' mutators share: each binding's value replaced by the constant
+    that ``self._constant(value)`` gives (None: left as it is), aliases of folded vars too, and
+    the vars bound to folded constants read as those constants (any other var through the
+    mutator's remap, which a call left with a folded operand is rebound in). The folders
+    subclass it (undecorated) and are decorated ``@mutator``; ``folded`` counts the values
+    replaced."""
+
+    def _start(self) -> None:
+        self.constants: dict = {}  # var bound to a folded value -> its constant
+        self.folded = 0
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self.constants[var] if var in self.constants else super().visit_var_(var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        return self.constants[var] if var in self.constants else super().visit_dataflow_var_(var)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        constant = self._constant(value)
+        if constant is not None:
+            self.folded += 1
+            binding = relax.VarBinding(binding.var, constant)
+        elif isinstance(value, relax.Var) and value in self.constants:  # an alias
+            binding = relax.VarBinding(binding.var, self.constants[value])
+        if isinstance(binding.value, _ty.Constant) and _ty.is_tensor(binding.value):
+            self.constants[binding.var] = binding.value
+        super().visit_var_binding_(binding)
+
+
 @mutator
-class _Folder(PyExprMutator):
+class _Folder(ConstantBindings):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
+        self._start()
         self.mod = mod
-        self.constants: dict = {}  # var bound to a folded call -> its constant
         self.built: dict = {}  # GlobalVar -> the built function, or None where building failed
-        self.folded = 0
         gvars, self.unchanged = _foldable(mod)
         self._build_together(gvars)
 
@@ -73,24 +103,10 @@ class _Folder(PyExprMutator):
             return func  # nothing to fold: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_var_(var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_dataflow_var_(var)
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        value = binding.value
+    def _constant(self, value) -> _ty.Constant | None:
         if _is_call_tir(value) and len(value.args) == 2 and self._constant_operands(value):
-            constant = self._evaluated(self.visit_expr(value))
-            if constant is not None:
-                self.folded += 1
-                binding = relax.VarBinding(binding.var, constant)
-        elif isinstance(value, relax.Var) and value in self.constants:  # an alias
-            binding = relax.VarBinding(binding.var, self.constants[value])
-        if isinstance(binding.value, _ty.Constant):
-            self.constants[binding.var] = binding.value
-        super().visit_var_binding_(binding)
+            return self._evaluated(self.visit_expr(value))
+        return None
 
     def _constant_operands(self, call: relax.Call) -> bool:
         """Whether the operands of ``call`` are constants or vars bound to them (a test before

@@ -31,11 +31,11 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule, Op
-from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.relax.expr_functor import mutator
 
 from .. import _ty
 from ._common import may_change, rewrite_functions, static_shape
-from .fold import _library
+from .fold import ConstantBindings, _library
 
 _DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
            "float32", "float64"}  # fmt: skip
@@ -58,11 +58,10 @@ class FoldConstantOps:
 
 
 @mutator
-class _Folder(PyExprMutator):
+class _Folder(ConstantBindings):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
-        self.constants: dict = {}  # var bound to a folded call -> its constant
-        self.folded = 0
+        self._start()
         self.kernels: dict = {}  # (operator, attributes, types) -> built kernel or None
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
@@ -70,28 +69,12 @@ class _Folder(PyExprMutator):
             return func
         return super().visit_function_(func)
 
-    def visit_var_(self, var: relax.Var) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_var_(var)
-
-    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-        return self.constants[var] if var in self.constants else super().visit_dataflow_var_(var)
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        value = binding.value
+    def _constant(self, value) -> _ty.Constant | None:
         if isinstance(value, relax.Call) and _operator(value) is not None:
-            constant = _evaluated(self.visit_expr(value))
-        elif isinstance(value, relax.Call) and _is_math(value):
-            constant = self._computed(self.visit_expr(value))
-        else:
-            constant = None
-        if constant is not None:
-            self.folded += 1
-            binding = relax.VarBinding(binding.var, constant)
-        elif isinstance(value, relax.Var) and value in self.constants:  # an alias
-            binding = relax.VarBinding(binding.var, self.constants[value])
-        if _is_tensor_constant(binding.value):
-            self.constants[binding.var] = binding.value
-        super().visit_var_binding_(binding)
+            return _evaluated(self.visit_expr(value))
+        if isinstance(value, relax.Call) and _is_math(value):
+            return self._computed(self.visit_expr(value))
+        return None
 
     def _computed(self, call: relax.Call) -> _ty.Constant | None:
         """The value of ``call``, an elementwise math function of constant tensors, computed
