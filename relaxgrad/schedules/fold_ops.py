@@ -172,7 +172,7 @@ def _evaluated(call: relax.Call) -> _ty.Constant | None:
     value = np.asarray(value)
     if list(value.shape) != shape or str(value.dtype) != _ty.dtype_of(call):
         return None
-    return relax.const(np.ascontiguousarray(value), _ty.dtype_of(call))
+    return relax.const(np.array(value, order="C"), _ty.dtype_of(call))  # (0-d stays 0-d)
 
 
 def _kind(array: np.ndarray) -> str:

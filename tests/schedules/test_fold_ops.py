@@ -68,6 +68,8 @@ FOLDED = [
     ("permute_dims", lambda: op.permute_dims(c(F32), [1, 0])),
     ("zeros", lambda: op.zeros((2, 3), "int32")),
     ("ones", lambda: op.ones((2, 3), "float32")),
+    ("ones_0d", lambda: op.ones((), "float64")),
+    ("add_0d", lambda: op.add(c(np.float32(1.5)), c(np.float32(-4.25)))),
     ("full", lambda: op.full((2, 3), c(np.float32(2.5)), "float32")),
     ("full_int_exact", lambda: op.full((2, 3), c(np.float32(-3.0)), "int64")),
     ("full_like", lambda: op.full_like(c(I32), c(np.int64(7)))),
