@@ -46,6 +46,7 @@ from .schedules import (
     FuseRowGroups,
     FuseRowReductions,
     IntegerPowers,
+    KeepReversedReadsApart,
     LegalizeOpsOnce,
     MatmulToBLAS,
     MeanAsSum,
@@ -351,6 +352,7 @@ def _pipeline(
         FoldConstantOps(),  # most of what FoldConstantCalls would build a kernel for
         legalize if legalize is not None else relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
+        KeepReversedReadsApart(),  # TVM builds a fused flip's index one element off
         FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings
         *before_fusing,
         relax.transform.FuseOps(),

@@ -36,6 +36,7 @@ from .legalize import LegalizeOpsOnce
 from .losses import NllLossGradAsMask
 from .means import MeanAsSum
 from .powers import IntegerPowers
+from .reversed import KeepReversedReadsApart
 from .rows import FuseRowReductions, RowLocal
 from .scatter import WindowScatter
 from .serial import SerialVectorLoops
@@ -56,6 +57,7 @@ __all__ = [
     "FuseRowGroups",
     "FuseRowReductions",
     "IntegerPowers",
+    "KeepReversedReadsApart",
     "LegalizeOpsOnce",
     "MatmulToBLAS",
     "MeanAsSum",
