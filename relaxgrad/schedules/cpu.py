@@ -360,8 +360,8 @@ def _mentions(expr, var: tirx.Var) -> bool:
 def _reads_transposed(block: tirx.SBlock, var: tirx.Var) -> bool:
     """Whether ``block`` reads a buffer whose innermost index is ``var``, an outer loop's,
     along rows that vary: not a vector of one value per ``var`` (a batch norm's per-channel
-    scale, broadcast along the image: tiled as a transpose, its kernels read 32 channels'
-    rows at once, 25% slower)."""
+    scale, broadcast along the image, whose kernels were tiled as transposes, reading 32
+    channels' rows at once for nothing)."""
 
     def transposed(region) -> bool:
         return (len(region) > 1 and region[-1].min.same_as(var)
