@@ -103,6 +103,22 @@ def rebind(mutator, old: relax.Var, value: relax.Expr) -> None:
     mutator.set_var_remap(old, new)
 
 
+def with_dataflow_blocks(func: relax.Function, rewrite: Callable[[list], list | None]):
+    """``func`` with each dataflow block's bindings replaced by ``rewrite(bindings)`` (None:
+    the block as it was); None when no block changed."""
+    blocks, changed = [], False
+    for block in func.body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            bindings = rewrite(list(block.bindings))
+            if bindings is not None:
+                block, changed = relax.DataflowBlock(bindings), True
+        blocks.append(block)
+    if not changed:
+        return None
+    body = relax.SeqExpr(blocks, func.body.body)
+    return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+
+
 def is_op(expr, op: Op) -> bool:
     """Whether ``expr`` is a call of the operator ``op``."""
     return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)

@@ -386,43 +386,41 @@ class _Rewriter(PyExprMutator):
             def at(b, tap_index, pixel):
                 return (tap_index, b * gh * gw + pixel) if stacked else (b, tap_index, pixel)
 
-            def value(b, ci, y, x):
+            def summed(b, ci, y, x, along=None):
+                """The taps' sum at ``(b, ci, y, x)``; ``along``: ``(first, index, length)``
+                where the row reads a plain vector of the columns, from column ``first``
+                (unclamped) of the tap's window row, ``index`` along it, ``length`` long:
+                read so where that is in the buffer, the clamped, checked gather elsewhere."""
                 ky, row, inside_y = tap(axes[0], y, *reach[0])
                 kx, col, inside_x = tap(axes[1], x, *reach[1])
                 inside = tirx.all(*inside_y, *inside_x)
                 tap_index = (ci * kh + ky) * kw + kx
                 pixel = row * gw + col  # in bounds: a select, not a branch
                 read = selected(data[at(b, tap_index, pixel)], inside)
-                if (sw, dw) != (1, 1):
+                if along is None:
                     return te.sum(read, axis=axes)
+                first, index, length = along
+                start = row * gw + first
+                flat = _flat(data, at(b, tap_index, start))
+                in_buffer = tirx.all(*inside_y, flat >= 0, flat + length - 1 < _size(data))
+                fast = tirx.Select(inside, data[at(b, tap_index, start + index)],
+                                   tirx.const(0, data.dtype))  # fmt: skip
+                return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
+
+            def value(b, ci, y, x):
                 # Stride 1 along the rows: a row of x reads a row of the columns from column
                 # x + left - jx, a plain vector read (clamped, a gather) where the columns past
                 # either end, which it selects 0 for, are in the buffer: rows in the image but
                 # the buffer's first and last (as im2col's, :func:`_padded`).
-                start = row * gw + left - axes[1]  # unclamped: the row's first column
-                flat = _flat(data, at(b, tap_index, start))
-                in_buffer = tirx.all(*inside_y, flat >= 0, flat + wd - 1 < _size(data))
-                fast = tirx.Select(inside, data[at(b, tap_index, start + x)],
-                                   tirx.const(0, data.dtype))  # fmt: skip
-                return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
+                along = (left - axes[1], x, wd) if (sw, dw) == (1, 1) else None
+                return summed(b, ci, y, x, along)
 
             def phase_value(b, ci, y, i, p):
                 # A row's positions of one phase: for a tap, its window's column is i plus a
-                # constant (the phase's column at i = 0, unclamped), so the row reads a plain
-                # vector of the columns where that is in the buffer (as for stride 1 above),
-                # and the clamped, checked gather only where it is not.
-                ky, row, inside_y = tap(axes[0], y, *reach[0])
-                kx, col, inside_x = tap(axes[1], i * sw + p, *reach[1])
-                inside = tirx.all(*inside_y, *inside_x)
-                tap_index = (ci * kh + ky) * kw + kx
-                read = selected(data[at(b, tap_index, row * gw + col)], inside)
-                start = row * gw + tirx.floordiv(p + left, sw) - axes[1]
-                flat = _flat(data, at(b, tap_index, start))
-                in_buffer = tirx.all(*inside_y, flat >= 0,
-                                     flat + wd // phases - 1 < _size(data))  # fmt: skip
-                fast = tirx.Select(inside, data[at(b, tap_index, start + i)],
-                                   tirx.const(0, data.dtype))  # fmt: skip
-                return te.sum(tirx.if_then_else(in_buffer, fast, read), axis=axes)
+                # constant (the phase's column at i = 0), so the row reads a plain vector of
+                # the columns, as for stride 1.
+                along = (tirx.floordiv(p + left, sw) - axes[1], i, wd // phases)
+                return summed(b, ci, y, i * sw + p, along)
 
             if phases > 1:
                 return te.compute((n, c, h, wd // phases, phases), phase_value,

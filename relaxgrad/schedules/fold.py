@@ -42,6 +42,10 @@ class FoldConstantCalls:
         return mod
 
 
+def is_tensor_constant(expr) -> bool:
+    return isinstance(expr, _ty.Constant) and _ty.is_tensor(expr)
+
+
 class ConstantBindings(PyExprMutator):
     """What the constant folders' mutators share: each binding's value replaced by the constant
     that ``self._constant(value)`` gives (None: left as it is), aliases of folded vars too, and
@@ -68,7 +72,7 @@ class ConstantBindings(PyExprMutator):
             binding = relax.VarBinding(binding.var, constant)
         elif isinstance(value, relax.Var) and value in self.constants:  # an alias
             binding = relax.VarBinding(binding.var, self.constants[value])
-        if isinstance(binding.value, _ty.Constant) and _ty.is_tensor(binding.value):
+        if is_tensor_constant(binding.value):
             self.constants[binding.var] = binding.value
         super().visit_var_binding_(binding)
 

@@ -35,7 +35,7 @@ from tvm.relax.expr_functor import mutator
 
 from .. import _ty
 from ._common import may_change, rewrite_functions, static_shape
-from .fold import ConstantBindings, _library
+from .fold import ConstantBindings, _library, is_tensor_constant
 
 _DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
            "float32", "float64"}  # fmt: skip
@@ -80,7 +80,7 @@ class _Folder(ConstantBindings):
         """The value of ``call``, an elementwise math function of constant tensors, computed
         by its legalized kernel; None where it is anything else or the kernel fails."""
         shape = static_shape(call)
-        if shape is None or not all(_is_tensor_constant(arg) for arg in call.args):
+        if shape is None or not all(is_tensor_constant(arg) for arg in call.args):
             return None
         key = str([call.op.name, call.attrs, call.ty, [arg.ty for arg in call.args]])
         if key not in self.kernels:
@@ -132,15 +132,11 @@ def _operator(call: relax.Call):
     return _TABLE.get(call.op.name) if isinstance(call.op, Op) else None
 
 
-def _is_tensor_constant(expr) -> bool:
-    return isinstance(expr, _ty.Constant) and _ty.is_tensor(expr)
-
-
 def _is_operand(expr) -> bool:
     """A constant tensor, a static shape or an integer: what the evaluators read."""
     if isinstance(expr, relax.ShapeExpr):
         return all(isinstance(d, tirx.IntImm) for d in expr.values)
-    return _is_tensor_constant(expr) or isinstance(expr, tirx.IntImm)
+    return is_tensor_constant(expr) or isinstance(expr, tirx.IntImm)
 
 
 def _starts_chain(value) -> bool:
@@ -159,7 +155,7 @@ def _evaluated(call: relax.Call) -> _ty.Constant | None:
         return None
     operands = []
     for arg in call.args:
-        if _is_tensor_constant(arg):
+        if is_tensor_constant(arg):
             if _ty.dtype_of(arg) not in _DTYPES:
                 return None
             operands.append(arg.value.numpy())

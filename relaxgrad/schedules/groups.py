@@ -34,6 +34,7 @@ from ._common import (
     read_counts,
     sblocks,
     static_shape,
+    with_dataflow_blocks,
     without_unit_reductions,
 )
 from .blas import THREADS
@@ -296,22 +297,7 @@ class _Grouper:
         self.read: dict = {}  # a binding's index in its block -> _Grouper._reads of it
 
     def rewrite(self) -> relax.Function | None:
-        blocks, changed = [], False
-        for block in self.func.body.blocks:
-            bindings = list(block.bindings)
-            if isinstance(block, relax.DataflowBlock):
-                new = self._grouped(bindings)
-                if new is not None:
-                    bindings, changed = new, True
-                blocks.append(relax.DataflowBlock(bindings))
-            else:
-                blocks.append(block)
-        if not changed:
-            return None
-        body = relax.SeqExpr(blocks, self.func.body.body)
-        return relax.Function(
-            self.func.params, body, self.func.ret_ty, self.func.is_pure, self.func.attrs
-        )
+        return with_dataflow_blocks(self.func, self._grouped)
 
     def _grouped(self, bindings: list) -> list | None:
         groups = []  # (member indices, merged PrimFunc, its args, its results)

@@ -19,6 +19,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir import IRModule, TensorLoad
 
+from .. import _ty
 from .._module import with_functions
 from ._common import OPAQUE
 
@@ -60,7 +61,7 @@ def decreasing(index) -> bool:
     seen: dict = {}
 
     def add(var) -> None:
-        seen[var.__chandle__()] = var
+        seen[_ty.key(var)] = var
 
     tvm_ffi.structural_walk(index, [(tirx.Var, add)])
     if not seen:

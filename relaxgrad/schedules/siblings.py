@@ -32,7 +32,7 @@ from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
 
 from .. import _ty
-from ._common import static_shape
+from ._common import static_shape, with_dataflow_blocks
 from .columns import _is_call_tir
 
 _EXTERN = ("tirx.call_extern", "tirx.call_packed", "tirx.call_pure_extern")
@@ -83,17 +83,7 @@ class _Merger:
         self.merged = 0
 
     def rewrite(self, func: relax.Function) -> relax.Function | None:
-        blocks, changed = [], False
-        for block in func.body.blocks:
-            if isinstance(block, relax.DataflowBlock):
-                bindings = self._merged(list(block.bindings))
-                if bindings is not None:
-                    block, changed = relax.DataflowBlock(bindings), True
-            blocks.append(block)
-        if not changed:
-            return None
-        body = relax.SeqExpr(blocks, func.body.body)
-        return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+        return with_dataflow_blocks(func, self._merged)
 
     def _merged(self, bindings: list) -> list | None:
         out: list = []  # bindings, and groups at their place (None where a group left)
