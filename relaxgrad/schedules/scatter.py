@@ -1,4 +1,5 @@
-"""``relax.grad.take_backward`` (an embedding's gradient) as a parallel scatter-add (CPU).
+"""``relax.grad.take_backward`` (an embedding's gradient) as a parallel scatter-add (CPU and
+GPU).
 
 TVM legalizes ``take_backward(g, x, indices, axis)`` into one serial loop nest: zero the
 result, then, for each column of the rows after ``axis``, add every index's row of ``g`` into
@@ -11,6 +12,13 @@ in a parallel loop over its rows, then splits the columns after ``axis`` into ``
 parallel strips: each task adds every index's row of ``g`` into its strip, along the rows
 (contiguous, vectorized). Tasks write disjoint strips, so no two add into the same element.
 Indices outside ``[0, x.shape[axis])`` add nothing (TVM's writes out of bounds).
+
+On a GPU, TVM's serial loop nest is one no schedule rule takes (dlight's Fallback refuses its
+data-dependent writes): :func:`legalize_take_backward_gpu` builds two kernels, one thread per
+element of the result zeroing it, then one thread per column (of each slice before ``axis``)
+adding every index's row of ``g`` into it in index order, so that no two threads write one
+element (no atomics: the sum's order is fixed, the result deterministic); a warp's threads read
+one row of ``g`` together.
 
 :class:`WindowScatter` writes an overlapping max pool's gradient (relaxgrad's gather, whose
 PrimFunc carries its window geometry) as a scatter over each plane.
@@ -83,18 +91,81 @@ def take_backward_func(g_shape, x_shape, length: int, axis: int, dtype: str, ind
     return parsed_script(_take_backward_script, locals())
 
 
-def legalize_take_backward(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    """``take_backward``'s legalization: :func:`take_backward_func` along an axis with static
-    shapes, else TVM's."""
-    g, x, indices = call.args
-    g_shape, x_shape, index_shape = static_shape(g), static_shape(x), static_shape(indices)
-    shapes = (g_shape, x_shape, index_shape)
-    if call.attrs.axis is None or any(s is None for s in shapes) or len(index_shape) != 1:
-        return Op.get("relax.grad.take_backward").get_attr("FLegalize")(bb, call)
-    axis, dtype = int(call.attrs.axis) % len(x_shape), x.ty.dtype
-    func = take_backward_func(g_shape, x_shape, index_shape[0], axis, dtype, indices.ty.dtype)
-    gvar = bb.add_func(func, "take_backward")
-    return relax.call_tir(gvar, [g, x, indices], relax.TensorType(x_shape, dtype))
+_GPU_THREADS = 256
+
+
+def _take_backward_gpu_script(
+    *, cols, dtype, g_shape, g_size, index_dtype, length, out_blocks, out_shape, out_size, pre,
+    rows, scatter_blocks, threads, x_shape,
+):  # fmt: skip
+    """The TVMScript of :func:`take_backward_gpu_func`, read by :func:`parsed_script` (never
+    called)."""
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def take_backward(g_handle: T.handle, x_handle: T.handle, i_handle: T.handle,
+                      out_handle: T.handle):  # fmt: skip
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True, "op_pattern": OPAQUE})
+        g = T.match_buffer(g_handle, g_shape, dtype)
+        T.match_buffer(x_handle, x_shape, dtype)
+        indices = T.match_buffer(i_handle, (length,), index_dtype)
+        out = T.match_buffer(out_handle, out_shape, dtype)
+        g_flat = T.decl_buffer((g_size,), dtype, data=g.data)
+        out_flat = T.decl_buffer((out_size,), dtype, data=out.data)
+        for bx in T.thread_binding(out_blocks, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                e = T.Cast("int64", bx) * threads + tx
+                if e < out_size:
+                    out_flat[e] = T.Cast(dtype, 0)
+        for bx in T.thread_binding(scatter_blocks, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                t = T.Cast("int64", bx) * threads + tx
+                if t < pre * cols:
+                    p = t // cols
+                    col = t % cols
+                    for position in range(length):
+                        index = T.Cast("int64", indices[position])
+                        if index >= 0 and index < rows:
+                            out_flat[(p * rows + index) * cols + col] = (
+                                out_flat[(p * rows + index) * cols + col]
+                                + g_flat[(p * length + position) * cols + col]
+                            )
+
+
+def take_backward_gpu_func(g_shape, x_shape, length: int, axis: int, dtype: str,
+                           index_dtype: str) -> tirx.PrimFunc:  # fmt: skip
+    """The GPU PrimFunc ``(g, x, indices, out)`` of ``take_backward`` along ``axis`` of ``x``
+    (``x_shape``) with ``length`` 1-D indices (see the module docstring)."""
+    threads = _GPU_THREADS
+    pre, rows, cols = math.prod(x_shape[:axis]), x_shape[axis], math.prod(x_shape[axis + 1 :])
+    out_shape, out_size, g_size = x_shape, math.prod(x_shape), math.prod(g_shape)
+    out_blocks = max(-(-out_size // threads), 1)
+    scatter_blocks = max(-(-(pre * cols) // threads), 1)
+    return parsed_script(_take_backward_gpu_script, locals())
+
+
+def _legalizer(build):
+    """``take_backward``'s legalization by ``build`` (:func:`take_backward_func` or
+    :func:`take_backward_gpu_func`) along an axis with static shapes, else TVM's."""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        g, x, indices = call.args
+        g_shape, x_shape, index_shape = static_shape(g), static_shape(x), static_shape(indices)
+        shapes = (g_shape, x_shape, index_shape)
+        if call.attrs.axis is None or any(s is None for s in shapes) or len(index_shape) != 1:
+            return Op.get("relax.grad.take_backward").get_attr("FLegalize")(bb, call)
+        axis, dtype = int(call.attrs.axis) % len(x_shape), x.ty.dtype
+        func = build(g_shape, x_shape, index_shape[0], axis, dtype, indices.ty.dtype)
+        gvar = bb.add_func(func, "take_backward")
+        return relax.call_tir(gvar, [g, x, indices], relax.TensorType(x_shape, dtype))
+
+    return legalize
+
+
+legalize_take_backward = _legalizer(take_backward_func)
+"""``take_backward``'s CPU legalization: :func:`take_backward_func` where shapes are static."""
+legalize_take_backward_gpu = _legalizer(take_backward_gpu_func)
+"""``take_backward``'s GPU legalization: :func:`take_backward_gpu_func` where shapes are
+static."""
 
 
 def _window_scatter_script(

@@ -3,6 +3,8 @@ pipeline's legalization of an embedding's gradient."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -12,6 +14,7 @@ from tvm.relax import op
 import relaxgrad
 from relaxgrad.schedules import blas, scatter
 from relaxgrad.testing import assert_gradients_close
+from relaxgrad.training import export
 
 
 def _take_backward_module(x_shape, length, axis, dtype, index_dtype) -> tvm.IRModule:
@@ -174,3 +177,41 @@ def test_overlapping_max_pool_gradient_is_a_scatter(shape, dtype, pool, ties):
         pooled = torch.nn.functional.max_pool2d(padded, kernel, pool["strides"])
         (pooled * pooled).sum().backward()
         np.testing.assert_allclose(got.numpy(), tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def _serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """A GPU PrimFunc's thread bindings as serial loops: the same arithmetic, built for llvm."""
+    text = re.sub(r"T\.thread_binding\((\w+), thread=\"[\w.]+\"\)", r"T.serial(\1)", func.script())
+    assert "thread_binding" not in text and "T.serial" in text
+    return tvm.script.from_source(text).with_attr("global_symbol", "main")
+
+
+@pytest.mark.parametrize("x_shape, length, axis, dtype, index_dtype, threads", CASES)
+def test_gpu_take_backward_adds_every_index_row(x_shape, length, axis, dtype, index_dtype,
+                                                threads):  # fmt: skip
+    """The GPU scatter-add's kernels (one thread per element zeroing, one per column adding,
+    with out-of-range indices skipped), each thread run in turn on the CPU: numpy's add.at."""
+    g_shape = list(x_shape)
+    g_shape[axis] = length
+    func = scatter.take_backward_gpu_func(g_shape, x_shape, length, axis, dtype, index_dtype)
+    assert func.script().count('thread="blockIdx.x"') == 2  # two kernels, bound to threads
+    built = tvm.compile(tvm.IRModule({"main": _serial(func)}), "llvm")
+    rng = np.random.default_rng(len(x_shape) + length)
+    g = rng.standard_normal(g_shape).astype(dtype)
+    indices = rng.integers(-1, x_shape[axis] + 1, length).astype(index_dtype)  # some outside
+    out = tvm.runtime.tensor(np.full(x_shape, np.nan, dtype))  # every element written
+    built["main"](*[tvm.runtime.tensor(a) for a in (g, np.zeros(x_shape, dtype), indices)], out)
+    tol = 1e-2 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(out.numpy(), _scatter_added(g, indices, axis, x_shape), rtol=tol,
+                               atol=tol)  # fmt: skip
+
+
+def test_gpu_pipeline_legalizes_take_backward_as_scatter():
+    """The CUDA build of an embedding's gradient takes the GPU scatter-add (TVM's legalization
+    is one no schedule rule takes: the build raised)."""
+    mod = _take_backward_module((300, 40), 700, 0, "float32", "int32")
+    executable = relaxgrad.compile(mod, {"kind": "cuda", "arch": "sm_90"})
+    source = "".join(export.cuda_sources(executable))
+    kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    assert kernels == {"take_backward_kernel", "take_backward_kernel_1"}, kernels
+    assert "atomic" not in source
