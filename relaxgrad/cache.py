@@ -81,7 +81,7 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
         The loaded or built executable.
     """
     context = tvm.transform.PassContext.current()
-    if not enabled() or len(context.instruments) > 0:
+    if not enabled() or len(context.instruments) > 0 or not _loadable(target):
         return build()
     path = cache_dir() / f"{_key(mod, target, context)}.so"
     if path.exists():
@@ -94,6 +94,16 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
     executable = build()
     _store(executable, path)
     return executable
+
+
+def _loadable(target: Target) -> bool:
+    """Whether this process can load a library built for ``target``: TVM's wheel loads a CUDA
+    library's device code only where its CUDA runtime is (the loader
+    ``ffi.Module.load_from_bytes.cuda``); elsewhere an entry could be stored but never read."""
+    kind = target.kind.name
+    return kind in ("llvm", "c") or tvm.get_global_func(
+        f"ffi.Module.load_from_bytes.{kind}", allow_missing=True
+    ) is not None
 
 
 def _store(executable: relax.VMExecutable, path: Path) -> None:

@@ -121,3 +121,15 @@ def test_a_loaded_executable_exports_its_library(cache_dir, tmp_path):
     np.testing.assert_array_equal(_run(again, model), _run(built, model))
     with pytest.raises(relaxgrad.GradientError, match="cannot be linked again"):
         loaded.export_library(str(tmp_path / "other.so"), options=["-O2"])
+
+
+def test_no_entry_for_a_target_this_process_cannot_load(cache_dir, counted, caplog):
+    """A CUDA library built where TVM has no CUDA runtime (a CPU machine) is not stored: it
+    could never be loaded here (it was, and each compile warned and built again)."""
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        pytest.skip("this process can load CUDA libraries")
+    mod, _ = _adjoint_module()
+    for _ in range(2):
+        relaxgrad.compile(mod, {"kind": "cuda", "arch": "sm_90"}, cache=True)
+    assert len(counted) == 2 and not list(cache_dir.glob("*.so"))
+    assert "cannot load" not in caplog.text

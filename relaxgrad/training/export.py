@@ -24,7 +24,7 @@ from ..pipeline import Executable, resolve_target, target_device
 from ..schedules import blas
 from . import runtime_runner, state
 
-__all__ = ["LIBRARY", "STATE", "export_trainer"]
+__all__ = ["LIBRARY", "STATE", "cuda_sources", "export_trainer"]
 
 LIBRARY = "train.so"
 STATE = "state.params"
@@ -63,12 +63,47 @@ def export_trainer(trainer, folder, target=None) -> dict:
         shutil.copy2(blas.library_path(), os.path.join(folder, shipped))
     arrays, meta = trainer.state_arrays()
     state.write_state(os.path.join(folder, STATE), arrays, meta)
+    device_code = _compile_device_code(executable, target, folder)
     shutil.copy2(runtime_runner.__file__, os.path.join(folder, "runner.py"))
     shutil.copy2(state.__file__, os.path.join(folder, "state.py"))
     manifest = _manifest(trainer, target, shipped)
+    manifest["device_code"] = device_code
     with open(os.path.join(folder, runtime_runner.MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def cuda_sources(executable) -> list[str]:
+    """The CUDA source of each device module of ``executable`` (TVM's wheel builds CUDA
+    libraries holding source, which the runtime compiles when it loads them)."""
+
+    def modules(mod):
+        yield mod
+        for imported in mod.imports:
+            yield from modules(imported)
+
+    return [m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda"]
+
+
+def _compile_device_code(executable, target: tvm.target.Target, folder: str) -> list[str]:
+    """For a CUDA target, where ``nvcc`` is found: each device module's source compiled for
+    the target's arch into ``folder/cuda/<digest>.fatbin``, which the runner hands TVM's
+    runtime instead of compiling at load. Returns those files' names (none without nvcc:
+    then the runner compiles at load, with the nvcc of the machine it runs on)."""
+    if target.kind.name != "cuda" or runtime_runner.find_nvcc() is None:
+        return []
+    arch = str(target.attrs.get("arch", ""))
+    if not arch.startswith("sm_"):
+        return []
+    names = []
+    for code in cuda_sources(executable):
+        name = runtime_runner.cuda_code_name(code)
+        path = os.path.join(folder, runtime_runner.CUDA_CODE, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(runtime_runner.compile_cuda(code, arch))
+        names.append(f"{runtime_runner.CUDA_CODE}/{name}")
+    return names
 
 
 def _linker(target: tvm.target.Target) -> dict:

@@ -27,8 +27,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
+import hashlib
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 
 import numpy as np
 import tvm
@@ -39,9 +44,11 @@ try:  # inside relaxgrad
 except ImportError:  # the copy beside the artifacts, with state.py as its neighbour
     from state import read_state, write_state
 
-__all__ = ["MANIFEST", "Runner", "main"]
+__all__ = ["CUDA_CODE", "MANIFEST", "Runner", "compile_cuda", "main", "register_cuda_compiler"]
 
 MANIFEST = "manifest.json"
+CUDA_CODE = "cuda"
+"""The artifacts' folder of compiled CUDA device code, one file per source (its digest)."""
 
 
 class Runner:
@@ -62,6 +69,8 @@ class Runner:
             self.manifest = json.load(f)
         self.device = tvm.device(self.manifest["device"], 0)
         _load_device_runtime(self.manifest["device"])
+        if self.manifest["device"] == "cuda":
+            register_cuda_compiler(os.path.join(self.folder, CUDA_CODE))
         library = tvm.runtime.load_module(os.path.join(self.folder, self.manifest["library"]))
         self.vm = VirtualMachine(library, self.device)
         self.load(state if state is not None else self.state_path)
@@ -149,6 +158,77 @@ def _load_device_runtime(device: str) -> None:
     path = os.path.join(os.path.dirname(tvm.__file__), "lib", f"libtvm_runtime_{device}.so")
     if device != "cpu" and os.path.exists(path):
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def register_cuda_compiler(cache_dir=None, arch: str | None = None) -> None:
+    """Let TVM's CUDA runtime load device code that was built as CUDA source.
+
+    TVM's wheel from PyPI has no CUDA compiler in its build, so a CUDA library it exports
+    holds its kernels as CUDA source; the runtime compiles them when it loads the library,
+    through the global function ``tvm_callback_cuda_compile``, which a process with TVM's
+    runtime alone does not have. This registers one: it returns the compiled code that
+    ``cache_dir`` holds for the source (``<sha256 of the source>.fatbin``, as
+    ``Trainer.export`` writes it where it finds ``nvcc``), else compiles the source with
+    :func:`compile_cuda` for ``arch`` (default: GPU 0's) and keeps the result there.
+    """
+
+    def compile_source(code, *_):
+        code = str(code)
+        path = None if cache_dir is None else os.path.join(cache_dir, cuda_code_name(code))
+        if path is not None and os.path.exists(path):
+            with open(path, "rb") as f:
+                return f.read()
+        binary = compile_cuda(code, arch or "sm_" + tvm.cuda(0).compute_version.replace(".", ""))
+        if path is not None:
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+                with open(path + ".tmp", "wb") as f:
+                    f.write(binary)
+                os.replace(path + ".tmp", path)
+            except OSError:  # a read-only folder: compiled again next time
+                pass
+        return binary
+
+    tvm.register_global_func("tvm_callback_cuda_compile", compile_source, override=True)
+
+
+def cuda_code_name(code: str) -> str:
+    """The file name of ``code``'s compiled device code in :data:`CUDA_CODE`."""
+    return hashlib.sha256(code.encode()).hexdigest() + ".fatbin"
+
+
+def find_nvcc() -> str | None:
+    """CUDA's compiler: on ``PATH``, in ``$CUDA_PATH/bin`` or ``$CUDA_HOME/bin``, else the
+    newest ``/usr/local/cuda*/bin/nvcc``; None where there is none."""
+    found = shutil.which("nvcc")
+    homes = [os.environ.get(v) for v in ("CUDA_PATH", "CUDA_HOME")]
+    candidates = [os.path.join(h, "bin", "nvcc") for h in homes if h]
+    candidates += sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)
+    return found or next((c for c in candidates if os.access(c, os.X_OK)), None)
+
+
+def compile_cuda(code: str, arch: str) -> bytes:
+    """CUDA source compiled by ``nvcc`` into a fatbin: machine code for ``arch`` (e.g.
+    ``sm_90``) and its PTX, which newer GPUs compile when they load it; the options of TVM's
+    own ``nvcc`` build (``-O3``, fast math)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("compile_cuda: no nvcc found (PATH, $CUDA_PATH/bin, /usr/local/cuda*) "
+                           "to compile the library's CUDA kernels")
+    number = arch.split("_", 1)[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
+        with open(source, "w") as f:
+            f.write(code)
+        command = [nvcc, "--fatbin", "-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+                   "-gencode", f"arch=compute_{number},code=sm_{number}",
+                   "-gencode", f"arch=compute_{number},code=compute_{number}",
+                   "-o", out, source]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compile_cuda: nvcc failed:\n{done.stdout}{done.stderr}"[-4000:])
+        with open(out, "rb") as f:
+            return f.read()
 
 
 def main(argv=None) -> None:

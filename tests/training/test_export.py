@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 import tvm
 
-from relaxgrad.training import Adam, CrossEntropyLoss, MomentumSGD, Trainer, cnn, mlp
+from relaxgrad.training import (
+    Adam,
+    CrossEntropyLoss,
+    MomentumSGD,
+    Trainer,
+    cnn,
+    export,
+    mlp,
+    runtime_runner,
+)
 from relaxgrad.training.runtime_runner import Runner
 from relaxgrad.training.state import read_state
 
@@ -168,6 +177,40 @@ def test_cuda_artifacts_build_without_a_gpu(exported, tmp_path):
     assert b"main_loss_adjoint" in library and b"fused_adam_update_kernel" in library
     arrays, meta = read_state(tmp_path / manifest["state"])
     assert meta["steps"] == trainer.steps and sorted(arrays) == sorted(trainer.state_arrays()[0])
+    # TVM's wheel builds CUDA kernels as source, which the runtime compiles when it loads them;
+    # with nvcc here, the export ships them compiled, one fatbin per source, named by its digest
+    if runtime_runner.find_nvcc() is None:
+        assert manifest["device_code"] == []
+        return
+    sources = export.cuda_sources(trainer.compile_for({"kind": "cuda", "arch": "sm_90"}))
+    names = [f"cuda/{runtime_runner.cuda_code_name(code)}" for code in sources]
+    assert manifest["device_code"] == names and len(names) == 1
+    fatbin = (tmp_path / names[0]).read_bytes()
+    assert fatbin[:4] == bytes.fromhex("50ed55ba")  # a fatbin's magic number
+
+
+def test_runner_hands_tvm_the_shipped_device_code(tmp_path):
+    """The runner's ``tvm_callback_cuda_compile`` (which TVM's CUDA runtime calls with each
+    module's source as it loads a library) returns the file shipped for that source, without
+    compiling; another source it would compile (with the nvcc found) and keep there."""
+    code = "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n"
+    folder = tmp_path / runtime_runner.CUDA_CODE
+    folder.mkdir()
+    (folder / runtime_runner.cuda_code_name(code)).write_bytes(b"shipped")
+    before = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+    runtime_runner.register_cuda_compiler(folder, arch="sm_90")
+    try:
+        callback = tvm.get_global_func("tvm_callback_cuda_compile")
+        assert bytes(callback(code)) == b"shipped"
+        if runtime_runner.find_nvcc() is None:
+            return
+        other = code.replace("1.0f", "2.0f")
+        binary = bytes(callback(other))
+        assert binary[:4] == bytes.fromhex("50ed55ba")
+        assert (folder / runtime_runner.cuda_code_name(other)).read_bytes() == binary
+    finally:
+        if before is not None:
+            tvm.register_global_func("tvm_callback_cuda_compile", before, override=True)
 
 
 AARCH64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu"}
