@@ -8,7 +8,6 @@ The model builders here are shared with bench/gpu_check.py, which runs them on a
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -32,6 +31,8 @@ from relaxgrad.schedules import (
 )
 from relaxgrad.schedules.cpu import MAX_INLINED_LOADS, inlined_loads
 from relaxgrad.testing import random_inputs
+from relaxgrad.training.export import cuda_sources
+from relaxgrad.training.runtime_runner import compile_cuda, find_nvcc
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 
@@ -154,13 +155,7 @@ def test_llvm_matches_tvm_compile(name):
 
 def _cuda_source(executable) -> str:
     """The CUDA source of every kernel in the executable's device modules."""
-
-    def modules(mod):
-        yield mod
-        for imported in mod.imports:
-            yield from modules(imported)
-
-    return "".join(m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda")
+    return "".join(cuda_sources(executable))
 
 
 @pytest.mark.parametrize("name", ["cnn", "transformer"])  # the mlp: in the next test
@@ -179,13 +174,9 @@ def test_cuda_builds(name):
     assert full and all(f in schedule.errors for f in full), schedule.choices
     assert {"Matmul", "Fallback"} <= set(schedule.choices.values())
 
-    if shutil.which("nvcc") is None:
+    if find_nvcc() is None:
         pytest.skip("nvcc not found: CUDA source generated but not compiled")
-    from tvm.support import nvcc
-
-    with resolve_target(CUDA):
-        cubin = nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")
-    assert len(cubin) > 0
+    assert len(compile_cuda(source, "sm_90")) > 0  # what Trainer.export ships
 
 
 def test_stock_cuda_pipeline_fails_on_mean_loss():
@@ -671,3 +662,21 @@ def test_a_build_failing_with_unchecked_schedules_is_built_again_with_checked_on
     value = np.arange(32, dtype="float32").reshape(4, 8) / 32
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(value)).numpy(), np.exp(value),
                                rtol=1e-6)
+
+
+def test_cuda_refuses_tvms_max_pool_gradient_kernel():
+    """TVM's max_pool2d_backward kernel, as dlight's Fallback schedules it, gave wrong values on
+    an H200 (bench/gpu_check.py's kernel check): a pool relaxgrad cannot take (padding: not
+    tiling, not overlapping) is refused with its name, not built wrong. A tiling pool (the CNN
+    above) goes through relaxgrad's argmax and gather instead."""
+    x = relax.Var("x", relax.TensorType((2, 3, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.max_pool2d(x, 2, strides=2, padding=1))
+            out = bb.emit_output(op.sum(op.multiply(y, y)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    with pytest.raises(relaxgrad.GradientError, match="max_pool2d_backward is TVM's"):
+        relaxgrad.compile(mod, CUDA)
+    assert "maxpool_grad_argmax" not in _cuda_source(relaxgrad.compile(adjoint_module("cnn"), CUDA))

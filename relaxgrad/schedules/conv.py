@@ -1,4 +1,5 @@
-"""2-D convolutions as matmuls (im2col / col2im), a Relax rewrite before legalization (CPU).
+"""2-D convolutions as matmuls (im2col / col2im), a Relax rewrite before legalization (CPU and
+GPU).
 
 TVM legalizes a convolution to one loop nest whose reduction reads a padded input through
 ``y * stride + ky`` indices; even tiled (:class:`TiledMatmul`), it runs far below a matmul of
@@ -21,6 +22,11 @@ at two thirds of its speed; the batch then goes into the columns of one matmul p
 axes swapped (one copy, shared by both gradients), and ``y`` swapped back (a 1x1 convolution's
 im2col is such a swap of ``x``). A 1x1 convolution with stride 1 and no padding otherwise needs
 no im2col or col2im at all (reshapes).
+
+On a GPU target the gather and scatter kernels are left unscheduled for the GPU's schedule
+step (dlight binds their threads), and the matmuls are dlight's: TVM legalizes a convolution
+to a loop nest that dlight's rules run far below its matmuls (ResNet-50's step, batch 64, on
+an H200: ...).
 
 Other convolutions (grouped, 1-D/3-D, other layouts) are left to legalization. The same pass
 rewrites the gradient of a max pooling whose windows tile the input (``max_pool2d_backward``
@@ -46,6 +52,7 @@ from . import blas
 from ._common import (
     OPAQUE,
     bound_values,
+    is_gpu,
     is_op,
     may_change,
     read_counts,
@@ -90,6 +97,8 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: IRModule, summed_batches: bool, batch_columns_below: int):
         super().__init__(mod)
         self.summed_batches = summed_batches
+        target = Target.current(allow_none=True)
+        self.gpu = target is not None and is_gpu(target)
         self.batch_columns_below = batch_columns_below
         self.conv2d = Op.get("relax.nn.conv2d")
         self.conv2d_transpose = Op.get("relax.nn.conv2d_transpose")
@@ -253,7 +262,8 @@ class _Rewriter(PyExprMutator):
                         for i, a in enumerate(args)]  # fmt: skip
         out = compute(*placeholders)
         func = te.create_prim_func([*placeholders, out]).without_attr("global_symbol")
-        func = _schedule(func, vectorize, phases)
+        if not self.gpu:  # (a GPU's schedule step binds its threads)
+            func = _schedule(func, vectorize, phases)
         func = func.with_attr("op_pattern", OPAQUE)  # FuseOps leaves the gather/scatter unfused
         gvar = self.builder_.add_func(func, name)
         out_type = relax.TensorType([int(d) for d in out.shape], out.dtype)
@@ -336,6 +346,12 @@ class _Rewriter(PyExprMutator):
         extents = dict(c=c, p=kh, q=kw, n=n, r=oh, s=ow)
         cols = op.reshape(self._im2col(x, conv, "cpqnrs", extents, "im2col_t"), (taps, n * oh * ow))
         g2 = op.reshape(op.permute_dims(g, [1, 0, 2, 3]), (o, n * oh * ow))
+        splits = _k_splits(o, taps, n * oh * ow) if self.gpu else 1
+        if splits > 1:  # dw = sum_s g2[:, s] @ cols[:, s]^T: one matmul per slice of K
+            depth = n * oh * ow // splits
+            g3 = op.permute_dims(op.reshape(g2, (o, splits, depth)), [1, 0, 2])
+            cols3 = op.permute_dims(op.reshape(cols, (taps, splits, depth)), [1, 2, 0])
+            return op.reshape(op.sum(op.matmul(g3, cols3), axis=[0]), dw_shape)
         return op.reshape(op.matmul(g2, op.permute_dims(cols)), dw_shape)
 
     def _data_grad(self, g, w, conv: _Params, g_shape, w_shape, dx_shape) -> relax.Expr:
@@ -359,7 +375,8 @@ class _Rewriter(PyExprMutator):
         # the row: for a constant phase, the tap and the window are i plus constants, so each
         # phase reads plain rows of the columns instead of a gather (8x128x56x56 at stride 2:
         # 4.8 -> 2.0 ms; 8x256x28x28: 2.9 -> 1.8 ms)
-        phases = sw if sw > 1 and dw == 1 and wd % sw == 0 else 1
+        # (on a GPU, where dlight schedules the kernel: a plain gather of the taps)
+        phases = sw if sw > 1 and dw == 1 and wd % sw == 0 and not self.gpu else 1
 
         def col2im(data):
             # Per axis, the taps that reach a position: with dilation 1, those of its residue
@@ -412,7 +429,7 @@ class _Rewriter(PyExprMutator):
                 # x + left - jx, a plain vector read (clamped, a gather) where the columns past
                 # either end, which it selects 0 for, are in the buffer: rows in the image but
                 # the buffer's first and last (as im2col's, :func:`_padded`).
-                along = (left - axes[1], x, wd) if (sw, dw) == (1, 1) else None
+                along = (left - axes[1], x, wd) if (sw, dw) == (1, 1) and not self.gpu else None
                 return summed(b, ci, y, x, along)
 
             def phase_value(b, ci, y, i, p):
@@ -458,6 +475,23 @@ def _schedule(func: tirx.PrimFunc, vectorize: bool, phases: int = 1) -> tirx.Pri
     if taps:
         sch.decompose_reduction(block, taps[0])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+_GPU_TILE = 64  # rows and columns of a matmul's output a GPU thread block computes, about
+_GPU_BLOCKS = 512  # thread blocks that keep a GPU's multiprocessors busy (132 on an H100)
+_MIN_DEPTH = 1024  # the shortest slice of a matmul's K worth a launch of its own
+
+
+def _k_splits(rows: int, cols: int, depth: int) -> int:
+    """Slices of a weight gradient's reduction (``depth``, the batch's output pixels) on a GPU:
+    its product is a small matrix (``rows x cols``: channels out x taps) over a long K
+    (ResNet-50's first convolution at batch 64: 64 x 147 over 802,816), which dlight's matmul
+    runs in a few thread blocks, each along all of K. Split, it runs as a batch of products
+    over slices of K, summed: enough blocks for the GPU, each slice at least
+    :data:`_MIN_DEPTH` long; the largest divisor of ``depth`` within both."""
+    blocks = -(-rows // _GPU_TILE) * -(-cols // _GPU_TILE)
+    most = min(depth // _MIN_DEPTH, _GPU_BLOCKS // blocks)
+    return max((k for k in range(1, most + 1) if depth % k == 0), default=1)
 
 
 class _Params:

@@ -20,6 +20,7 @@ from ._common import (
     first_line,
     is_gpu,
     is_scheduled,
+    sblocks,
     without_unit_reductions,
 )
 from .columns import ColumnLocal
@@ -75,6 +76,7 @@ class _ScheduleStep:
         return with_functions(mod, updates)
 
     def _schedule(self, name: str, func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
+        self._refuse(name, func)
         tried = []
         func = without_unit_reductions(func)  # which dlight's normalization mishandles
         for rule in self.rules:
@@ -99,6 +101,9 @@ class _ScheduleStep:
         return self._unscheduled(name, target, tried)
 
     _name = "Schedule"
+
+    def _refuse(self, name: str, func: tirx.PrimFunc) -> None:
+        """Raise for a PrimFunc that the rules are known to schedule wrong."""
 
     def _wants(self, target: Target) -> bool:
         raise NotImplementedError
@@ -137,6 +142,20 @@ class ScheduleGPU(_ScheduleStep):
 
     def _wants(self, target: Target) -> bool:
         return is_gpu(target)
+
+    def _refuse(self, name: str, func: tirx.PrimFunc) -> None:
+        # TVM's max_pool2d_backward kernel (an argmax block, then a sum over windows), as
+        # dlight's Fallback schedules it, loses the first row of some windows on an H200 (the
+        # gradient of 2x2 pools of a 2x8x8x8 input: 73 of 1,024 elements wrong; right at
+        # 8x16x32x32). relaxgrad's own kernels take the pools a model has (overlapping windows:
+        # the gradient rule's gather; tiling ones: ConvToMatmul); the rest are refused.
+        if any(b.name_hint == "maxpool_grad_argmax" for b in sblocks(func)):
+            raise GradientError(
+                f"ScheduleGPU: {name} is TVM's max_pool2d_backward kernel, which dlight's "
+                "Fallback schedules wrong on CUDA; relaxgrad takes a max pool's gradient on a "
+                "GPU where its windows overlap, or tile an NCHW input of static shape without "
+                "padding or ceil_mode"
+            )
 
     def _check(self, func: tirx.PrimFunc, name: str, target: Target) -> None:
         _verify(func, name, target)

@@ -85,6 +85,27 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs, monkeypatch):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("x_shape, w_shape, conv_attrs", CASES)
+def test_gpu_form_gives_tvms_values(x_shape, w_shape, conv_attrs, monkeypatch):
+    """The rewrite for a GPU target: gather and scatter kernels left unscheduled (for dlight),
+    col2im a plain gather of the taps, and the weight gradient's product split along K (the
+    slices made short here, so that every case splits) and summed. Built for llvm, it gives
+    TVM's values."""
+    monkeypatch.setattr(conv, "_MIN_DEPTH", 2)
+    mod = _adjoint(x_shape, w_shape, conv_attrs)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        rewritten = ConvToMatmul(summed_batches=False, batch_columns_below=0)(mod)
+    kernels = [f for _, f in rewritten.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert kernels or w_shape[2:] == (1, 1)
+    assert not any(f.attrs and "tirx.is_scheduled" in f.attrs for f in kernels)
+    assert re.search(r"R\.sum\([^)]*axis=\[0\]", rewritten.script()), "K was not split"
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
+    want = _run(tvm.compile(mod, "llvm"), inputs)
+    for g, w in zip(_run(tvm.compile(rewritten, "llvm"), inputs), want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
+
+
 def test_weight_gradient_reads_the_forwards_im2col():
     """In the CPU pipeline the weight gradient's im2col of ``x`` is the forward's, computed
     once (``EliminateCommonSubexpr`` after the rewrite; the values: the test above)."""
