@@ -1,48 +1,62 @@
-"""Run MLP, CNN and transformer adjoints compiled by relaxgrad.compile on a GPU and on llvm.
+"""relaxgrad's CUDA code on a real GPU: every output against the same program built for the
+CPU, then the training step's speed against PyTorch eager on the same weights and batch.
 
-For each model (at the sizes of tests/test_compile.py and at larger ones), compiles the module
-with ``main_adjoint`` for the GPU and for llvm, runs ``main`` and ``main_adjoint`` on both with
-the same random inputs, and prints the max abs difference of every output (the loss and each
-gradient), and which dlight rule scheduled how many GPU functions.
+Two halves, because the GPU machine has TVM's runtime but not its compiler (a 259 MB library):
 
-Tolerance: an output passes when ``max|gpu - cpu| <= tol * max(1, max|cpu|)``, with
-``tol = 1e-4`` by default (float32; different summation orders and fast-math intrinsics stay
-well under it, a wrong kernel does not). Exits 1 on any mismatch, 2 when there is no GPU.
+- ``python bench/gpu_check.py build DIR`` (here, with TVM's compiler and no GPU) compiles for
+  CUDA (``--arch``, default ``sm_90``) and writes into ``DIR``, with ``plan.json`` listing them:
 
-Then the deployed path: a small MLP's and CNN's training artifacts, ``Trainer.export(folder,
-target)``, trained for 10 steps by their ``runner.py`` in a fresh process with TVM's runtime
-only (``TVM_USE_RUNTIME_LIB=1``), against an llvm Trainer's 10 steps: the losses and the
-parameters, with the same tolerance.
+  * ``adjoint`` cases: the MLP, CNN and transformer adjoints of ``tests/test_pipeline.py`` at
+    its sizes and at larger ones (``relaxgrad.compile`` with ``ScheduleGPU``; which dlight rule
+    scheduled how many functions is recorded), their random inputs and the outputs of
+    ``main`` and ``main_adjoint`` built for llvm;
+  * ``trainer`` cases: ``Trainer.export(folder, target=cuda)`` of an MLP (Adam), a CNN
+    (momentum SGD) and the zoo's tiny BERT and ResNet from Hugging Face configs (Adam), their
+    batches, and the losses and parameters of an llvm ``Trainer`` after ``--steps`` steps;
+  * ``speed`` cases: the training step (forward, cross-entropy, backward, Adam) of BERT-base
+    (seq 128, batch 32) and ResNet-50 (224x224, batch 64, batch norm in training mode),
+    exported without their state (hundreds of MB), which the GPU machine takes from the same
+    PyTorch model it times.
 
-Run from the repository root: ``python bench/gpu_check.py`` (``--target llvm`` is a dry run
-of the script itself on a machine without a GPU; ``--models`` with no names checks only the
-artifacts).
+  CUDA kernels are compiled by ``nvcc`` where one is found (``Trainer.export`` does this),
+  so the GPU machine loads machine code instead of compiling source.
+
+  ``DIR/site/tvm`` is TVM's Python package with its runtime libraries and without its
+  compiler, for the GPU machine's ``PYTHONPATH`` (beside an ``apache-tvm-ffi`` wheel for its
+  Python).
+
+- ``python bench/gpu_check.py run DIR`` (on the GPU machine; ``TVM_USE_RUNTIME_LIB=1``, TVM's
+  runtime, numpy, PyTorch and ``transformers``; no relaxgrad) runs every case:
+
+  * an output passes when ``max|gpu - cpu| <= tol * max(1, max|cpu|)`` (``--tol``, default
+    1e-4: float32 with other summation orders and fast-math intrinsics stays well under it, a
+    wrong kernel does not);
+  * speed: relaxgrad's step (``Runner.step``) and PyTorch eager's (``zero_grad``,
+    ``cross_entropy``, ``backward``, ``Adam.step``; TF32 off in both matrix products and
+    convolutions, so both compute float32) on the same weights and batch, alternately, each
+    step ending in a synchronizing read of the loss; medians of ``--steps`` steps after one
+    warm-up; the first step's losses side by side; then TVM's profiler (``vm.profile``) on
+    the loss adjoint, its slowest kernels.
+
+  It prints one table and writes ``results.json`` (and the profiles) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import ctypes
+import glob
 import json
-import os
-import subprocess
+import shutil
+import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import tvm
-from tvm import relax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import relaxgrad  # noqa: E402
-from relaxgrad import _ty  # noqa: E402
-from relaxgrad.pipeline import resolve_target  # noqa: E402
-from relaxgrad.schedules import ScheduleGPU  # noqa: E402
-from tests.test_pipeline import CNN_OPS, MODELS  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-4
 SIZES = {
     "test": {"mlp": {}, "cnn": {}, "transformer": {}},
     "large": {
@@ -51,159 +65,641 @@ SIZES = {
         "transformer": {"batch": 4, "seq": 64, "dim": 64, "ffn": 256},
     },
 }
+SPEED = {"bert": 32, "resnet50": 64}  # model: batch
 
 
-def make_inputs(mod: tvm.IRModule, seed: int) -> list[np.ndarray]:
-    """Uniform(-1, 1) data; weights ``w*`` scaled by 1/sqrt(fan-in) so activations stay O(1)."""
-    rng = np.random.default_rng(seed)
-    inputs = []
-    for param in mod["main"].params:
+def speed_model(name: str, batch: int, rng):
+    """``(module, input, targets, label)``: a published-size Hugging Face model (random weights
+    from seed 0, dropout 0, eager attention) and one batch. The same code builds it here and on
+    the GPU machine."""
+    import torch
+    import transformers as hf
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import Logits
+
+    torch.manual_seed(0)
+    if name == "bert":
+        config = hf.BertConfig(num_labels=2, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)  # fmt: skip
+        config._attn_implementation = "eager"
+        ids = torch.from_numpy(rng.integers(0, config.vocab_size, (batch, 128)))
+        module = Logits(hf.BertForSequenceClassification(config), "input_ids")
+        return module, ids, rng.integers(0, 2, batch), f"BERT-base, seq 128, batch {batch}"
+    if name == "resnet50":
+        config = hf.ResNetConfig(num_labels=1000)
+        images = torch.from_numpy(rng.standard_normal((batch, 3, 224, 224)).astype("float32"))
+        module = Logits(hf.ResNetForImageClassification(config), "pixel_values")
+        return module, images, rng.integers(0, 1000, batch), f"ResNet-50, 224x224, batch {batch}"
+    raise ValueError(f"unknown model {name!r}")
+
+
+# ------------------------------------------------------------------- build (TVM's compiler)
+
+
+def build(args) -> None:
+    import tvm
+
+    sys.path.insert(0, str(ROOT))
+    import relaxgrad
+    from relaxgrad.pipeline import resolve_target
+    from relaxgrad.training import export, runtime_runner, state
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = resolve_target({"kind": "cuda", "arch": args.arch})
+    _copy_runtime(Path(tvm.__file__).parent, out / "site" / "tvm")
+    # the runner and its state format, for `run`, as Trainer.export copies them
+    shutil.copy2(runtime_runner.__file__, out / "runner.py")
+    shutil.copy2(state.__file__, out / "state.py")
+    plan = {"target": str(target), "arch": args.arch, "cases": []}
+    if not runtime_runner.find_nvcc():
+        print("no nvcc here: the GPU machine compiles the kernels' source when it loads them")
+    for size in args.sizes:
+        for name in args.adjoints:
+            plan["cases"].append(_build_adjoint(out, name, size, target, tvm, relaxgrad, export))
+            print(f"built adjoint {name} ({size})", flush=True)
+    for spec in args.traces:
+        name, size = spec.split(":")
+        plan["cases"].append(_build_trace(out, name, size))
+        print(f"built trace {spec}", flush=True)
+    for spec in args.kernels:
+        name, size, *tvm_convs = spec.split(":")
+        plan["cases"].append(_build_kernels(out, name, size, target, bool(tvm_convs)))
+        print(f"built kernels {spec}", flush=True)
+    for name in args.trainers:
+        plan["cases"].append(_build_trainer(out, name, target, args.steps))
+        print(f"built trainer {name}", flush=True)
+    for name in args.speed:
+        start = time.perf_counter()
+        plan["cases"].append(_build_speed(out, name, target))
+        print(f"built speed {name} in {time.perf_counter() - start:.0f} s", flush=True)
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
+def _copy_runtime(package: Path, to: Path) -> None:
+    """TVM's Python package without its compiler: the ``.py`` files and the runtime libraries
+    (``libtvm_runtime*.so``, 5 MB, against the compiler's 259 MB)."""
+    shutil.rmtree(to, ignore_errors=True)
+    for path in package.rglob("*.py"):
+        if not {"3rdparty", "src", "include"} & set(path.relative_to(package).parts):
+            (to / path.relative_to(package)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, to / path.relative_to(package))
+    (to / "lib").mkdir(exist_ok=True)
+    for path in (package / "lib").glob("libtvm_runtime*.so"):
+        shutil.copy2(path, to / "lib" / path.name)
+
+
+def _outputs(value) -> list[np.ndarray]:
+    if hasattr(value, "numpy"):
+        return [value.numpy()]
+    return [leaf for item in value for leaf in _outputs(item)]
+
+
+def _build_adjoint(out: Path, name: str, size: str, target, tvm, relaxgrad, export) -> dict:
+    import collections
+
+    from relaxgrad import _ty
+    from relaxgrad.schedules import ScheduleGPU
+    from tests.test_pipeline import MODELS
+
+    mod = relaxgrad.Gradient("main")(MODELS[name](**SIZES[size][name]))
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for param in mod["main"].params:  # U(-1, 1); weights w* scaled by 1/sqrt(fan-in)
         shape = _ty.static_shape(param.ty)
         value = rng.uniform(-1.0, 1.0, shape)
         if param.name.startswith("w"):
-            fan_in = shape[0] if len(shape) == 2 else int(np.prod(shape[1:]))
-            value /= np.sqrt(fan_in)
-        inputs.append(value.astype(_ty.dtype_of(param.ty)))
-    return inputs
-
-
-def leaves(value) -> list[np.ndarray]:
-    if hasattr(value, "numpy"):
-        return [value.numpy()]
-    return [leaf for item in value for leaf in leaves(item)]
-
-
-def run(executable, device, func_name: str, inputs) -> list[np.ndarray]:
-    vm = relax.VirtualMachine(executable, device)
-    return leaves(vm[func_name](*[tvm.runtime.tensor(a, device) for a in inputs]))
-
-
-def output_names(mod: tvm.IRModule, func_name: str) -> list[str]:
-    if func_name == "main":
-        return ["loss"]
-    return ["loss"] + ["d" + p.name for p in mod["main"].params]
-
-
-def check_model(name: str, sizes: dict, target, device, tol: float, seed: int) -> bool:
-    """Compare one model on ``target`` against llvm; print one line per output."""
-    mod = relaxgrad.Gradient("main")(MODELS[name](**sizes))
-    inputs = make_inputs(mod, seed)
+            value /= np.sqrt(shape[0] if len(shape) == 2 else int(np.prod(shape[1:])))
+        inputs[param.name] = value.astype(_ty.dtype_of(param.ty))
     schedule = ScheduleGPU()
-    start = time.perf_counter()
     on_device = relaxgrad.compile(mod, target, schedule=schedule)
-    compile_s = time.perf_counter() - start
+    stem = f"adjoint_{name}_{size}"
+    on_device.export_library(str(out / f"{stem}.so"))
+    _compile_device_code(on_device, target, out, export)
     reference = relaxgrad.compile(mod, "llvm")
-    rules = collections.Counter(schedule.choices.values())
-    shapes = ", ".join(f"{p.name}{_ty.static_shape(p.ty)}" for p in mod["main"].params)
-    print(f"{name} [{shapes}]: compiled for {target.kind.name} in {compile_s:.1f}s; rules: "
-          f"{dict(rules) or 'none (not a GPU target)'}")  # fmt: skip
-    ok = True
-    for func_name in ("main", "main_adjoint"):
-        got = run(on_device, device, func_name, inputs)
-        want = run(reference, tvm.cpu(), func_name, inputs)
-        for label, g, w in zip(output_names(mod, func_name), got, want, strict=True):
-            diff = float(np.max(np.abs(g.astype("float64") - w))) if g.size else 0.0
-            scale = max(1.0, float(np.max(np.abs(w))) if w.size else 0.0)
-            good = g.shape == w.shape and np.all(np.isfinite(g)) and diff <= tol * scale
-            ok = ok and bool(good)
-            print(f"  {'ok  ' if good else 'FAIL'} {func_name:>12} {label:<6} "
-                  f"shape {str(w.shape):<18} max|gpu-cpu| {diff:.3g}  "
-                  f"(limit {tol * scale:.3g})")  # fmt: skip
-    return ok
+    vm = tvm.relax.VirtualMachine(reference, tvm.cpu())
+    args = [tvm.runtime.tensor(inputs[p.name]) for p in mod["main"].params]
+    want = {}
+    for func in ("main", "main_adjoint"):
+        for i, value in enumerate(_outputs(vm[func](*args))):
+            want[f"{func}:{i}"] = value
+    np.savez(out / f"{stem}_inputs.npz", **inputs)
+    np.savez(out / f"{stem}_reference.npz", **want)
+    names = ["loss"] + ["d" + p.name for p in mod["main"].params]
+    rules = dict(collections.Counter(schedule.choices.values()))
+    return {"kind": "adjoint", "name": f"{name} ({size})", "stem": stem, "labels": names,
+            "order": [p.name for p in mod["main"].params], "rules": rules}  # fmt: skip
 
 
-# The artifacts' runner in a fresh runtime-only process: the losses of the steps, the state
-# written back, and whether TVM's compiler library was loaded.
-RUNTIME_ONLY = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import numpy as np
-import runner
-r, data, steps = runner.Runner(sys.argv[1]), np.load(sys.argv[2]), int(sys.argv[3])
-b = r.manifest["batch_size"]
-losses = [r.step(data["x"][i * b:(i + 1) * b], data["target"][i * b:(i + 1) * b])
-          for i in range(steps)]
-r.save()
-maps = open("/proc/self/maps").read()
-print(json.dumps({"losses": losses, "compiler": "libtvm_compiler" in maps}))
-"""
+def _build_trace(out: Path, name: str, size: str) -> dict:
+    """The adjoint's every kernel call on llvm (the GPU pipeline without its schedule step, so
+    the same kernels in the same order): each call's tensor arguments after it ran, with the
+    inputs of the ``adjoint`` case."""
+    import tvm
+
+    import relaxgrad
+    from relaxgrad.pipeline import gpu_pipeline, resolve_target
+    from tests.test_pipeline import MODELS
+
+    mod = relaxgrad.Gradient("main")(MODELS[name](**SIZES[size][name]))
+    host = resolve_target("llvm")
+    built = tvm.compile(mod, host, relax_pipeline=gpu_pipeline(host, tvm.transform.Sequential([])))
+    stem = f"adjoint_{name}_{size}"
+    inputs = np.load(out / f"{stem}_inputs.npz")
+    vm = tvm.relax.VirtualMachine(built, tvm.cpu())
+    calls, trace = [], {}
+
+    def instrument(func, symbol, before, ret, *args):
+        if not before and not str(symbol).startswith("vm.builtin"):
+            for j, arg in enumerate(args):
+                if isinstance(arg, tvm.runtime.Tensor):
+                    trace[f"{len(calls)}:{j}"] = arg.numpy()
+            calls.append(str(symbol))
+        return 0
+
+    vm.set_instrument(instrument)
+    vm["main_adjoint"](*[tvm.runtime.tensor(inputs[p.name]) for p in mod["main"].params])
+    np.savez(out / f"trace_{name}_{size}.npz", **trace)
+    return {"kind": "trace", "name": f"{name} ({size}) kernel by kernel", "stem": stem,
+            "trace": f"trace_{name}_{size}.npz", "calls": calls,
+            "order": [p.name for p in mod["main"].params]}  # fmt: skip
 
 
-def check_artifacts(target, tol: float, seed: int, steps: int = 10) -> bool:
-    """Exported training artifacts for ``target`` run by the runtime-only runner vs an llvm
-    Trainer, ``steps`` steps; one line per model."""
-    from relaxgrad.training import Adam, CrossEntropyLoss, MomentumSGD, Trainer, cnn, mlp
-    from relaxgrad.training.state import read_state
+def _build_kernels(out: Path, name: str, size: str, target, tvm_convs: bool = False) -> dict:
+    """Every PrimFunc of the model's CUDA adjoint (after fusion, before scheduling), scheduled
+    by each GPU rule that takes it, in one CUDA library (``<kernel>__<rule>``); inputs drawn at
+    random, and every buffer after the unscheduled PrimFunc ran on llvm, as the reference."""
+    import tvm
 
-    models = {"mlp": (mlp(32, in_features=256, hidden=(128,)), Adam(1e-2)),
-              "cnn": (cnn(8, image=(1, 8, 8), channels=(4, 8)), MomentumSGD(0.05, 0.9))}
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["TVM_USE_RUNTIME_LIB"] = "1"
-    ok = True
-    for name, (model, optimizer) in models.items():
-        trainer = Trainer.for_model(model, CrossEntropyLoss(), optimizer, target="llvm")
-        with tempfile.TemporaryDirectory() as tmp:
-            manifest = trainer.export(tmp, target=target)
-            b, *shape = manifest["arguments"][0]["shape"]
-            rng = np.random.default_rng(seed)
-            x = rng.standard_normal((steps * b, *shape)).astype("float32")
-            y = rng.integers(0, 10, steps * b)
-            np.savez(f"{tmp}/data.npz", x=x, target=y)
-            command = [sys.executable, "-c", RUNTIME_ONLY, tmp, f"{tmp}/data.npz", str(steps)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"  FAIL artifacts {name}: the runner failed\n{done.stderr[-2000:]}")
-                ok = False
+    import relaxgrad
+    from relaxgrad.schedules import ScheduleGPU, step
+    from relaxgrad.schedules._common import without_unit_reductions
+    from tests.test_pipeline import MODELS
+
+    schedule, seen = ScheduleGPU(), {}
+
+    @tvm.transform.module_pass(opt_level=0, name="CaptureThenSchedule")
+    def capture(mod, ctx):
+        seen["before"] = mod
+        return schedule(mod)
+
+    mod = relaxgrad.Gradient("main")(MODELS[name](**SIZES[size][name]))
+    if tvm_convs:  # TVM's own convolution and pooling kernels, not relaxgrad's matmuls
+        from relaxgrad import pipeline
+
+        real, pipeline.ConvToMatmul = pipeline.ConvToMatmul, lambda **_: tvm.transform.Sequential()
+        try:
+            relaxgrad.compile(mod, target, schedule=capture)
+        finally:
+            pipeline.ConvToMatmul = real
+    else:
+        relaxgrad.compile(mod, target, schedule=capture)
+
+    variants, reference, kernels, rng = {}, {}, {}, np.random.default_rng(0)
+    host = tvm.target.Target("llvm")
+    signatures = _call_tir_signatures(seen["before"])
+    for gvar, func in seen["before"].functions_items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or step.is_scheduled(func):
+            continue
+        kernel = gvar.name_hint
+        shapes = signatures.get(kernel)
+        if shapes is None:
+            continue
+        arrays = [_random(shape, dtype, rng) for shape, dtype in shapes]
+        cpu = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), host)
+        tensors = [tvm.runtime.tensor(a) for a in arrays]
+        cpu["main"](*tensors)
+        for i, a in enumerate(arrays):
+            reference[f"{kernel}:in{i}"] = a
+        for i, t in enumerate(tensors):
+            reference[f"{kernel}:out{i}"] = t.numpy()
+        kernels[kernel] = []
+        for rule in step.default_gpu_rules():
+            rule_name = type(rule).__name__
+            try:
+                with target:
+                    sch = rule.apply(without_unit_reductions(func), target, False)
+                if sch is None:
+                    continue
+                scheduled = step._first(sch).mod["main"]
+                step._verify(scheduled, kernel, target)
+            except Exception:  # noqa: BLE001 - the rule does not take it
                 continue
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            state, _ = read_state(f"{tmp}/{manifest['state']}")
-        want = [trainer.step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(steps)]
-        diffs = [abs(g - w) / max(1.0, abs(w)) for g, w in zip(result["losses"], want)]
-        for key, value in trainer.params.items():
-            scale = max(1.0, float(np.max(np.abs(value))))
-            diffs.append(float(np.max(np.abs(state[f"param:{key}"] - value))) / scale)
-        good = max(diffs) <= tol and not result["compiler"]
-        ok = ok and good
-        print(f"  {'ok  ' if good else 'FAIL'} artifacts {name}: {steps} steps on TVM's runtime "
-              f"alone (compiler loaded: {result['compiler']}), max rel. diff of losses and "
-              f"parameters {max(diffs):.3g} (limit {tol:g})")  # fmt: skip
-    return ok
+            symbol = f"{kernel}__{rule_name}"
+            variants[symbol] = scheduled.with_attr("global_symbol", symbol)
+            kernels[kernel].append(rule_name)
+    library = tvm.compile(tvm.IRModule(variants), target)
+    stem = f"kernels_{name}_{size}" + ("_tvm" if tvm_convs else "")
+    library.export_library(str(out / f"{stem}.so"))
+    np.savez(out / f"{stem}_reference.npz", **reference)
+    label = " (TVM's convolutions)" if tvm_convs else ""
+    return {"kind": "kernels", "name": f"{name} ({size}) kernels by rule{label}", "stem": stem,
+            "kernels": kernels, "chosen": dict(schedule.choices)}  # fmt: skip
+
+
+def _call_tir_signatures(mod) -> dict[str, list]:
+    """``(shape, dtype)`` of each argument of each PrimFunc, its inputs then its outputs, from
+    the ``call_tir`` that calls it."""
+    import tvm
+    from tvm import relax
+
+    call_tir, found = tvm.ir.Op.get("relax.call_tir"), {}
+
+    def shape_dtype(ty) -> tuple:
+        return [int(d) for d in ty.shape.values], str(ty.dtype)
+
+    for _, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                call = binding.value
+                if isinstance(call, relax.Call) and call.op.same_as(call_tir):
+                    outs = call.ty.fields if isinstance(call.ty, relax.TupleType) else [call.ty]
+                    found[call.args[0].name_hint] = [shape_dtype(a.ty) for a in call.args[1].fields]
+                    found[call.args[0].name_hint] += [shape_dtype(t) for t in outs]
+    return found
+
+
+def _random(shape, dtype: str, rng) -> np.ndarray:
+    if dtype.startswith(("int", "uint")):
+        return rng.integers(0, 2, shape).astype(dtype)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    return rng.uniform(-1, 1, shape).astype(dtype)
+
+
+def _compile_device_code(executable, target, out: Path, export) -> None:
+    from relaxgrad.training import runtime_runner
+
+    if runtime_runner.find_nvcc() is None:
+        return
+    for code in export.cuda_sources(executable):
+        path = out / runtime_runner.CUDA_CODE / runtime_runner.cuda_code_name(code)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(runtime_runner.compile_cuda(code, str(target.attrs["arch"])))
+
+
+def _trainer(name: str, optimizer=None):
+    """``(trainer, x, y)``: an llvm Trainer of model ``name`` and its first batch."""
+    from relaxgrad.training import (
+        Adam,
+        CrossEntropyLoss,
+        MomentumSGD,
+        Trainer,
+        cnn,
+        from_torch,
+        mlp,  # fmt: skip
+    )
+
+    rng = np.random.default_rng(0)
+    if name in ("mlp", "cnn"):
+        model, opt = {"mlp": (mlp(32, in_features=256, hidden=(128,)), Adam(1e-2)),
+                      "cnn": (cnn(8, image=(1, 8, 8), channels=(4, 8)), MomentumSGD(0.05, 0.9))
+                      }[name]  # fmt: skip
+        from relaxgrad import _ty
+
+        shape = _ty.static_shape(model.mod[model.func_name].params[0].ty)
+        return (Trainer.for_model(model, CrossEntropyLoss(), opt, progress=False),
+                rng.standard_normal(shape).astype("float32"), rng.integers(0, 10, shape[0]))
+    from tests.zoo.models import ZOO
+
+    module, inputs, y = ZOO[name](rng)
+    model = from_torch(module, inputs)
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), optimizer or Adam(1e-3),
+                                progress=False)  # fmt: skip
+    return trainer, inputs[0].numpy(), y
+
+
+def _build_trainer(out: Path, name: str, target, steps: int) -> dict:
+    trainer, x, y = _trainer(name)
+    folder = out / f"trainer_{name}"
+    trainer.export(folder, target=target)
+    np.savez(folder / "data.npz", x=x, target=y)
+    losses = [trainer.step(x, y) for _ in range(steps)]
+    arrays, _ = trainer.state_arrays()
+    params = {k: v for k, v in arrays.items() if k.startswith(("param:", "buffer:"))}
+    np.savez(folder / "reference.npz", losses=np.array(losses), **params)
+    return {"kind": "trainer", "name": f"{name} trainer", "folder": folder.name, "steps": steps}
+
+
+def _build_speed(out: Path, name: str, target) -> dict:
+    from relaxgrad.training import Adam, CrossEntropyLoss, Trainer, from_torch
+
+    module, x, y, label = speed_model(name, SPEED[name], np.random.default_rng(0))
+    model = from_torch(module, (x,))
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3), progress=False)
+    folder = out / f"speed_{name}"
+    trainer.export(folder, target=target)
+    arrays, meta = trainer.state_arrays()
+    (folder / "state.params").unlink()  # the GPU machine takes the weights from PyTorch
+    optim = {k: {"shape": list(v.shape), "dtype": str(v.dtype),
+                 "value": v.tolist() if v.size == 1 else None}
+             for k, v in arrays.items() if k.startswith("optim:")}  # fmt: skip
+    (folder / "optim.json").write_text(json.dumps({"optim": optim, "meta": meta}))
+    return {"kind": "speed", "name": label, "model": name, "batch": SPEED[name],
+            "folder": folder.name}  # fmt: skip
+
+
+# ------------------------------------------------------------------ run (TVM's runtime only)
+
+
+def _load_cuda_runtime() -> None:
+    """``libcudart.so.13`` (which TVM's CUDA runtime links) from CUDA's or PyTorch's wheels."""
+    import site
+
+    roots = ["/usr/local/cuda/lib64", "/usr/local/cuda/lib", *site.getsitepackages()]
+    for root in roots:
+        for path in sorted(glob.glob(f"{root}/**/libcudart.so.1[0-9]*", recursive=True)):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
+
+
+def _close(got: np.ndarray, want: np.ndarray, tol: float) -> tuple[bool, float, float]:
+    diff = float(np.max(np.abs(got.astype("float64") - want))) if want.size else 0.0
+    scale = max(1.0, float(np.max(np.abs(want))) if want.size else 0.0)
+    good = got.shape == want.shape and bool(np.all(np.isfinite(got))) and diff <= tol * scale
+    return good, diff, tol * scale
+
+
+def run(args) -> int:
+    directory = Path(args.dir).resolve()
+    sys.path.insert(0, str(directory))
+    _load_cuda_runtime()
+    import tvm
+    from runner import Runner, _load_device_runtime, register_cuda_compiler
+
+    _load_device_runtime("cuda")  # TVM's CUDA device API, and the loader of device code
+    device = tvm.cuda(0)
+    if not device.exist:
+        print("no CUDA device here", file=sys.stderr)
+        return 2
+    register_cuda_compiler(directory / "cuda")
+    plan = json.loads((directory / "plan.json").read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"device: {device.device_name}, compute {device.compute_version}; built for "
+          f"{plan['arch']}; tolerance max|gpu-cpu| <= {args.tol:g} * max(1, max|cpu|)")
+    results, failed = [], []
+    for case in plan["cases"]:
+        if args.only and not any(word in case["name"] for word in args.only):
+            continue
+        start = time.perf_counter()
+        try:
+            result = CASES[case["kind"]](case, directory, device, args, tvm, Runner)
+        except Exception as error:  # noqa: BLE001 - reported as a failed case, the others run
+            result = {"ok": False, "error": f"{type(error).__name__}: {error}"[-3000:]}
+        result.update(name=case["name"], kind=case["kind"], seconds=time.perf_counter() - start)
+        results.append(result)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        print(_line(result), flush=True)
+        if not result["ok"]:
+            failed.append(case["name"])
+    print("\n" + _table(results))
+    print("FAILED: " + ", ".join(failed) if failed else "all outputs match")
+    return 1 if failed else 0
+
+
+def _run_adjoint(case, directory: Path, device, args, tvm, Runner) -> dict:
+    library = tvm.runtime.load_module(str(directory / f"{case['stem']}.so"))
+    vm = tvm.runtime.vm.VirtualMachine(library, device)
+    inputs = np.load(directory / f"{case['stem']}_inputs.npz")
+    reference = np.load(directory / f"{case['stem']}_reference.npz")
+    values = [tvm.runtime.tensor(inputs[n], device) for n in case["order"]]
+    worst, rows = 0.0, []
+    for func in ("main", "main_adjoint"):
+        got = _outputs(vm[func](*values))
+        for i, value in enumerate(got):
+            good, diff, limit = _close(value, reference[f"{func}:{i}"], args.tol)
+            worst = max(worst, diff / limit)
+            rows.append({"output": f"{func} {case['labels'][i]}", "ok": good, "diff": diff})
+    return {"ok": all(r["ok"] for r in rows), "outputs": rows, "worst": worst,
+            "rules": case["rules"]}  # fmt: skip
+
+
+def _run_trainer(case, directory: Path, device, args, tvm, Runner) -> dict:
+    folder = directory / case["folder"]
+    runner = Runner(folder)
+    data, reference = np.load(folder / "data.npz"), np.load(folder / "reference.npz")
+    losses = np.array([runner.step(data["x"], data["target"]) for _ in range(case["steps"])])
+    rows = [{"output": "losses", **dict(zip(("ok", "diff"), _close(losses,
+                                                                    reference["losses"],
+                                                                    args.tol)[:2]))}]
+    arrays, _ = runner.state_arrays()
+    for key in reference.files:
+        if key != "losses":
+            good, diff, _ = _close(arrays[key], reference[key], args.tol)
+            rows.append({"output": key, "ok": good, "diff": diff})
+    worst = max(r["diff"] for r in rows)
+    return {"ok": all(r["ok"] for r in rows), "outputs": rows, "worst": worst,
+            "losses": losses.tolist()}  # fmt: skip
+
+
+def _run_speed(case, directory: Path, device, args, tvm, Runner) -> dict:
+    import torch
+    from runner import write_state
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    folder = directory / case["folder"]
+    rng = np.random.default_rng(0)
+    module, x, y, _ = speed_model(case["model"], case["batch"], rng)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    extra = json.loads((folder / "optim.json").read_text())
+    weights = {k: v.detach().numpy() for k, v in [*module.named_parameters(),
+                                                   *module.named_buffers()]}  # fmt: skip
+    arrays = {f"param:{n}": weights[n] for n in manifest["params"]}
+    arrays.update({f"buffer:{n}": weights[n] for n in manifest["buffers"]})
+    for key, spec in extra["optim"].items():
+        value = spec["value"] if spec["value"] is not None else 0
+        arrays[key] = np.full(spec["shape"], value, dtype=spec["dtype"])
+    write_state(folder / "state.params", arrays, extra["meta"])
+    runner = Runner(folder)
+    x_np = x.numpy()
+
+    module = module.cuda().train()
+    tx, ty = x.cuda(), torch.from_numpy(y).cuda()
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
+
+    def torch_step() -> float:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(tx), ty)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    first = {"relaxgrad": runner.step(x_np, y), "pytorch": torch_step()}  # the warm-up step
+    times = {"relaxgrad": [], "pytorch": []}
+    for _ in range(args.steps):
+        for who, step in (("relaxgrad", lambda: runner.step(x_np, y)), ("pytorch", torch_step)):
+            start = time.perf_counter()
+            step()
+            times[who].append(time.perf_counter() - start)
+    median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    profile = _profile(runner, folder, device, x_np, y, tvm)
+    (Path(args.out) / f"profile_{case['model']}.txt").write_text(profile["text"])
+    rel = abs(first["relaxgrad"] - first["pytorch"]) / max(1.0, abs(first["pytorch"]))
+    return {"ok": rel <= 1e-3, "first_loss": first, "loss_rel_diff": rel, "ms": median,
+            "ratio": median["relaxgrad"] / median["pytorch"], "steps_ms": times,
+            "slowest": profile["slowest"]}  # fmt: skip
+
+
+def _profile(runner, folder: Path, device, x: np.ndarray, y: np.ndarray, tvm) -> dict:
+    """Each call of the loss adjoint timed alone (the VM's instrument, the device synchronized
+    before and after the call), summed by kernel over one step: the 12 slowest, and the text
+    of all of them."""
+    totals: dict[str, list] = {}
+    clock = {}
+
+    def instrument(func, symbol, before, ret, *args):
+        device.sync()
+        if before:
+            clock["start"] = time.perf_counter()
+        else:
+            entry = totals.setdefault(str(symbol), [0.0, 0])
+            entry[0] += (time.perf_counter() - clock["start"]) * 1e6
+            entry[1] += 1
+        return 0
+
+    arguments = runner._arguments(x)
+    target = runner._checked(y, runner.manifest["target_input"])
+    vm = runner.vm
+    vm.set_instrument(instrument)
+    try:
+        vm[runner.manifest["functions"]["loss_adjoint"]](*arguments, target)
+    finally:
+        vm.set_instrument(lambda *a: 0)
+    total = sum(t for t, _ in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    text = "\n".join(f"{t / 1e3:10.3f} ms {c:5d}x {100 * t / total:5.1f}%  {name}"
+                     for name, (t, c) in ranked)  # fmt: skip
+    return {"text": f"total {total / 1e3:.1f} ms (synchronized calls)\n{text}\n",
+            "slowest": [{"kernel": n, "us": t, "calls": c, "share": t / total}
+                        for n, (t, c) in ranked[:12]]}  # fmt: skip
+
+
+def _run_trace(case, directory: Path, device, args, tvm, Runner) -> dict:
+    """The CUDA adjoint's kernel calls against the llvm trace, matched by kernel name and
+    occurrence (fusion may differ where a kernel is missing on one side): the first calls
+    whose arguments differ point at the wrong kernel."""
+    library = tvm.runtime.load_module(str(directory / f"{case['stem']}.so"))
+    vm = tvm.runtime.vm.VirtualMachine(library, device)
+    inputs = np.load(directory / f"{case['stem']}_inputs.npz")
+    want = np.load(directory / case["trace"])
+    cpu_calls = {}
+    for i, symbol in enumerate(case["calls"]):
+        cpu_calls.setdefault(symbol, []).append(i)
+    seen, rows = {}, []
+
+    def instrument(func, symbol, before, ret, *call_args):
+        symbol = str(symbol)
+        if before or symbol.startswith("vm.builtin"):
+            return 0
+        k = seen.get(symbol, 0)
+        seen[symbol] = k + 1
+        if k >= len(cpu_calls.get(symbol, [])):
+            rows.append({"output": f"{symbol} #{k} (not on llvm)", "ok": True, "diff": 0.0})
+            return 0
+        i = cpu_calls[symbol][k]
+        diffs = [_close(a.numpy(), want[f"{i}:{j}"], args.tol) for j, a in enumerate(call_args)
+                 if isinstance(a, tvm.runtime.Tensor) and f"{i}:{j}" in want.files]  # fmt: skip
+        rows.append({"output": f"{symbol} #{k}", "ok": all(d[0] for d in diffs),
+                     "diff": max((d[1] for d in diffs), default=0.0)})  # fmt: skip
+        return 0
+
+    vm.set_instrument(instrument)
+    vm["main_adjoint"](*[tvm.runtime.tensor(inputs[n], device) for n in case["order"]])
+    return {"ok": all(r["ok"] for r in rows), "outputs": rows,
+            "worst": max((r["diff"] for r in rows), default=0.0)}  # fmt: skip
+
+
+def _run_kernels(case, directory: Path, device, args, tvm, Runner) -> dict:
+    library = tvm.runtime.load_module(str(directory / f"{case['stem']}.so"))
+    reference = np.load(directory / f"{case['stem']}_reference.npz")
+    rows = []
+    for kernel, rules in case["kernels"].items():
+        count = sum(1 for k in reference.files if k.startswith(f"{kernel}:in"))
+        for rule in rules:
+            tensors = [tvm.runtime.tensor(reference[f"{kernel}:in{i}"], device)
+                       for i in range(count)]  # fmt: skip
+            library[f"{kernel}__{rule}"](*tensors)
+            device.sync()
+            got = [t.numpy() for t in tensors]
+            diffs = [_close(g, reference[f"{kernel}:out{i}"], args.tol) for i, g in enumerate(got)]
+            rows.append({"output": f"{kernel} by {rule}"
+                         + (" (chosen)" if case["chosen"].get(kernel) == rule else ""),
+                         "ok": all(d[0] for d in diffs), "diff": max(d[1] for d in diffs),
+                         "arguments": [d[1] for d in diffs]})  # fmt: skip
+            if not rows[-1]["ok"]:  # the GPU's buffers, to compare with the reference here
+                np.savez(Path(args.out) / f"wrong_{kernel}_{rule}.npz", *got)
+    return {"ok": all(r["ok"] for r in rows), "outputs": rows,
+            "worst": max(r["diff"] for r in rows)}  # fmt: skip
+
+
+CASES = {"trace": _run_trace, "kernels": _run_kernels, "adjoint": _run_adjoint,
+         "trainer": _run_trainer, "speed": _run_speed}  # fmt: skip
+
+
+def _line(result: dict) -> str:
+    mark = "ok  " if result["ok"] else "FAIL"
+    if "error" in result:
+        return f"{mark} {result['name']}: {result['error']}"
+    if result["kind"] == "speed":
+        ms = result["ms"]
+        return (f"{mark} {result['name']}: relaxgrad {ms['relaxgrad']:.1f} ms, PyTorch eager "
+                f"{ms['pytorch']:.1f} ms (ratio {result['ratio']:.2f}); first losses "
+                f"{result['first_loss']['relaxgrad']:.6f} / {result['first_loss']['pytorch']:.6f}"
+                f"\n    slowest: " + "; ".join(f"{k['kernel']} {k['us'] / 1e3:.1f} ms"
+                                              for k in result["slowest"][:5]))  # fmt: skip
+    bad = [r["output"] for r in result["outputs"] if not r["ok"]]
+    return (f"{mark} {result['name']}: {len(result['outputs'])} outputs, worst diff/limit "
+            f"{result['worst']:.3g}" + (f"; mismatched: {bad}" if bad else ""))
+
+
+def _table(results: list[dict]) -> str:
+    lines = ["| case | correct | relaxgrad ms | PyTorch eager ms | ratio |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        if r["kind"] == "speed" and "ms" in r:
+            lines.append(f"| {r['name']} | {'yes' if r['ok'] else 'no'} (first loss rel. diff "
+                         f"{r['loss_rel_diff']:.1e}) | {r['ms']['relaxgrad']:.1f} | "
+                         f"{r['ms']['pytorch']:.1f} | {r['ratio']:.2f} |")
+        else:
+            lines.append(f"| {r['name']} | {'yes' if r['ok'] else 'no'} | | | |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="cuda", help="cuda (default) or llvm (dry run)")
-    parser.add_argument("--arch", help="CUDA arch, e.g. sm_90; default: the local GPU's")
-    parser.add_argument("--tol", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile here (TVM's compiler, no GPU needed)")
+    b.add_argument("dir")
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    b.add_argument("--adjoints", nargs="*", default=["mlp", "cnn", "transformer"])
+    b.add_argument("--trainers", nargs="*", default=["mlp", "cnn", "bert", "resnet"])
+    b.add_argument("--speed", nargs="*", default=list(SPEED), choices=list(SPEED))
+    b.add_argument("--steps", type=int, default=10, help="trainer steps checked")
+    b.add_argument("--traces", nargs="*", default=[],
+                   help="model:size (an adjoint built above) compared kernel call by call")
+    b.add_argument("--kernels", nargs="*", default=[],
+                   help="model:size whose kernels are checked under every rule that takes them "
+                        "(model:size:tvm: with TVM's convolutions instead of relaxgrad's matmuls)")
+    r = sub.add_parser("run", help="run on the GPU machine (TVM's runtime only)")
+    r.add_argument("dir")
+    r.add_argument("--out", default=".")
+    r.add_argument("--tol", type=float, default=TOL)
+    r.add_argument("--steps", type=int, default=10, help="timed steps per framework")
+    r.add_argument("--only", nargs="*", help="cases whose name contains one of these words")
     args = parser.parse_args()
-
-    spec = {"kind": args.target} if args.target != "llvm" else "llvm"
-    if args.arch:
-        spec["arch"] = args.arch
-    target = resolve_target(spec)
-    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name, 0)
-    if not device.exist:
-        print(f"no {target.kind.name} device here: nothing to compare", file=sys.stderr)
-        return 2
-    print(f"target {target}; tolerance max|gpu-cpu| <= {args.tol:g} * max(1, max|cpu|)")
-
-    failed = []
-    for size in args.sizes:
-        for name in args.models:
-            missing = [op for op in CNN_OPS if relaxgrad.get_gradient(op) is None]
-            if name == "cnn" and missing:
-                print(f"cnn: skipped, no gradient rule for {', '.join(missing)}")
-                continue
-            if not check_model(name, SIZES[size][name], target, device, args.tol, args.seed):
-                failed.append(f"{name} ({size})")
-    print(f"training artifacts for {target.kind.name}, run by TVM's runtime alone:")
-    if not check_artifacts(target, args.tol, args.seed):
-        failed.append("training artifacts")
-    print("FAILED: " + ", ".join(failed) if failed else "all outputs match")
-    return 1 if failed else 0
+    if args.command == "build":
+        build(args)
+        return 0
+    return run(args)
 
 
 if __name__ == "__main__":
