@@ -16,7 +16,12 @@ Two halves, because the GPU machine has TVM's runtime but not its compiler (a 25
   * ``speed`` cases: the training step (forward, cross-entropy, backward, Adam) of BERT-base
     (seq 128, batch 32) and ResNet-50 (224x224, batch 64, batch norm in training mode),
     exported without their state (hundreds of MB), which the GPU machine takes from the same
-    PyTorch model it times.
+    PyTorch model it times;
+  * with ``--traces model:size``: that adjoint's every kernel call on llvm (the GPU pipeline
+    without its schedule step), to compare call by call; with ``--kernels model:size[:tvm]``:
+    every kernel of that adjoint scheduled by each GPU rule that takes it, and its values on
+    llvm (``:tvm``: with TVM's convolutions and pooling gradients instead of relaxgrad's); with
+    ``--matmuls``: BERT-base's products under variants of dlight's matmul config, to time.
 
   CUDA kernels are compiled by ``nvcc`` where one is found (``Trainer.export`` does this),
   so the GPU machine loads machine code instead of compiling source.
@@ -35,16 +40,23 @@ Two halves, because the GPU machine has TVM's runtime but not its compiler (a 25
     ``cross_entropy``, ``backward``, ``Adam.step``; TF32 off in both matrix products and
     convolutions, so both compute float32) on the same weights and batch, alternately, each
     step ending in a synchronizing read of the loss; medians of ``--steps`` steps after one
-    warm-up; the first step's losses side by side; then TVM's profiler (``vm.profile``) on
-    the loss adjoint, its slowest kernels.
+    warm-up; the first step's losses side by side; then each call of the loss adjoint timed
+    alone (the VM's instrument, the device synchronized around it), summed by kernel.
 
-  It prints one table and writes ``results.json`` (and the profiles) to ``--out``.
+  It prints one table and writes ``results.json``, the profiles and the GPU's buffers of a
+  wrong kernel to ``--out``.
+
+Carrying it: ``DIR`` compressed (``tar cJf``, about 7 MB) and the ``apache-tvm-ffi`` wheel of
+the GPU machine's Python (``pip download --only-binary=:all: --python-version 3.12
+apache-tvm-ffi==<the version here>``), installed there with ``pip install --target``; then
+``PYTHONPATH=<wheel target>:DIR/site TVM_USE_RUNTIME_LIB=1 python bench/gpu_check.py run DIR``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import glob
 import json
 import shutil
@@ -119,6 +131,9 @@ def build(args) -> None:
         for name in args.adjoints:
             plan["cases"].append(_build_adjoint(out, name, size, target, tvm, relaxgrad, export))
             print(f"built adjoint {name} ({size})", flush=True)
+    if args.matmuls:
+        plan["cases"].append(_build_matmuls(out, target))
+        print("built matmuls", flush=True)
     for spec in args.traces:
         name, size = spec.split(":")
         plan["cases"].append(_build_trace(out, name, size))
@@ -320,6 +335,63 @@ def _call_tir_signatures(mod) -> dict[str, list]:
                     found[call.args[0].name_hint] = [shape_dtype(a.ty) for a in call.args[1].fields]
                     found[call.args[0].name_hint] += [shape_dtype(t) for t in outs]
     return found
+
+
+# dlight's CUDA matmul config (its block of 8 x 16 threads, each a 4 x 4 micro tile: 32 x 64
+# outputs per block) and variants, timed on the products of BERT-base's step at batch 32
+MATMUL_CONFIGS = {
+    "dlight": {},
+    "64x64": dict(block_size_x=16, block_size_y=16),
+    "64x128 v4": dict(block_size_x=16, block_size_y=16, micro_size_y=8, vector_size=4),
+    "128x64": dict(block_size_x=16, block_size_y=16, micro_size_x=8),
+    "32x64 k8": dict(micro_size_k=8),
+    "32x64 v4": dict(vector_size=4),
+    "64x64 k8 v4": dict(block_size_x=16, block_size_y=16, micro_size_k=8, vector_size=4),
+}
+MATMUL_SHAPES = {  # name: (batch, m, k, n); C = A @ B
+    "qkv/out 4096x768x768": (1, 4096, 768, 768),
+    "ffn up 4096x768x3072": (1, 4096, 768, 3072),
+    "ffn down 4096x3072x768": (1, 4096, 3072, 768),
+    "dW 768x4096x3072": (1, 768, 4096, 3072),
+    "scores 384x128x64x128": (384, 128, 64, 128),
+}
+
+
+def _build_matmuls(out: Path, target) -> dict:
+    """Each of :data:`MATMUL_SHAPES` scheduled by dlight's Matmul rule under each of
+    :data:`MATMUL_CONFIGS`, in one CUDA library, for ``run`` to time and check."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    funcs, built = {}, {}
+    for shape_name, shape in MATMUL_SHAPES.items():
+        func = _batch_matmul(*shape)
+        for config_name, changes in MATMUL_CONFIGS.items():
+            rule = dl.gpu.Matmul()
+            config = dataclasses.replace(rule.get_configs(target), **changes)
+            rule.get_configs = lambda _target, config=config: config
+            with target:
+                sch = rule.apply(func, target, False)
+            symbol = f"mm{len(funcs)}"
+            funcs[symbol] = sch.mod["main"].with_attr("global_symbol", symbol)
+            built.setdefault(shape_name, {})[config_name] = symbol
+    from relaxgrad.training import export
+
+    library = tvm.compile(tvm.IRModule(funcs), target)
+    library.export_library(str(out / "matmuls.so"))
+    _compile_device_code(library, target, out, export)
+    return {"kind": "matmuls", "name": "BERT-base's matmuls by dlight config", "stem": "matmuls",
+            "symbols": built, "shapes": MATMUL_SHAPES}  # fmt: skip
+
+
+def _batch_matmul(batch: int, m: int, k: int, n: int):
+    from tvm import te
+
+    a = te.placeholder((batch, m, k), "float32", "A")
+    b = te.placeholder((batch, k, n), "float32", "B")
+    r = te.reduce_axis((0, k), "k")
+    c = te.compute((batch, m, n), lambda z, i, j: te.sum(a[z, i, r] * b[z, r, j], axis=r))
+    return te.create_prim_func([a, b, c])
 
 
 def _random(shape, dtype: str, rng) -> np.ndarray:
@@ -617,6 +689,30 @@ def _run_trace(case, directory: Path, device, args, tvm, Runner) -> dict:
             "worst": max((r["diff"] for r in rows), default=0.0)}  # fmt: skip
 
 
+def _run_matmuls(case, directory: Path, device, args, tvm, Runner) -> dict:
+    library = tvm.runtime.load_module(str(directory / f"{case['stem']}.so"))
+    rng, rows, table = np.random.default_rng(0), [], {}
+    for shape_name, symbols in case["symbols"].items():
+        batch, m, k, n = case["shapes"][shape_name]
+        a = rng.uniform(-1, 1, (batch, m, k)).astype("float32")
+        b = rng.uniform(-1, 1, (batch, k, n)).astype("float32")
+        want = np.matmul(a.astype("float64"), b)
+        for config_name, symbol in symbols.items():
+            c = tvm.runtime.tensor(np.full((batch, m, n), np.nan, "float32"), device)
+            ta, tb = tvm.runtime.tensor(a, device), tvm.runtime.tensor(b, device)
+            library[symbol](ta, tb, c)
+            good, diff, _ = _close(c.numpy(), want, args.tol)
+            timer = library.time_evaluator(symbol, device, number=20, repeat=3)
+            ms = min(timer(ta, tb, c).results) * 1e3
+            tflops = 2 * batch * m * k * n / ms / 1e9
+            rows.append({"output": f"{shape_name} {config_name}", "ok": good, "diff": diff,
+                         "ms": ms, "tflops": tflops})  # fmt: skip
+            table.setdefault(shape_name, {})[config_name] = round(tflops, 1)
+    print("TFLOP/s by config: " + json.dumps(table, indent=1))
+    return {"ok": all(r["ok"] for r in rows), "outputs": rows,
+            "worst": max(r["diff"] for r in rows), "tflops": table}  # fmt: skip
+
+
 def _run_kernels(case, directory: Path, device, args, tvm, Runner) -> dict:
     library = tvm.runtime.load_module(str(directory / f"{case['stem']}.so"))
     reference = np.load(directory / f"{case['stem']}_reference.npz")
@@ -640,8 +736,8 @@ def _run_kernels(case, directory: Path, device, args, tvm, Runner) -> dict:
             "worst": max(r["diff"] for r in rows)}  # fmt: skip
 
 
-CASES = {"trace": _run_trace, "kernels": _run_kernels, "adjoint": _run_adjoint,
-         "trainer": _run_trainer, "speed": _run_speed}  # fmt: skip
+CASES = {"matmuls": _run_matmuls, "trace": _run_trace, "kernels": _run_kernels,
+         "adjoint": _run_adjoint, "trainer": _run_trainer, "speed": _run_speed}  # fmt: skip
 
 
 def _line(result: dict) -> str:
@@ -684,6 +780,8 @@ def main() -> int:
     b.add_argument("--trainers", nargs="*", default=["mlp", "cnn", "bert", "resnet"])
     b.add_argument("--speed", nargs="*", default=list(SPEED), choices=list(SPEED))
     b.add_argument("--steps", type=int, default=10, help="trainer steps checked")
+    b.add_argument("--matmuls", action="store_true",
+                   help="time BERT-base's matmuls under dlight configs (MATMUL_CONFIGS)")
     b.add_argument("--traces", nargs="*", default=[],
                    help="model:size (an adjoint built above) compared kernel call by call")
     b.add_argument("--kernels", nargs="*", default=[],
