@@ -28,7 +28,7 @@ step (dlight binds their threads), col2im gathers its taps plainly, and the matm
 dlight's; a weight gradient's product, a small matrix over a long K, is split along K into a
 batch of products that are summed (:func:`_k_splits`). TVM legalizes a convolution to a loop
 nest that dlight's rules run far below its matmuls: ResNet-50's training step at batch 64 on
-an H200 took 720 ms with TVM's convolutions, 371 ms as im2col and matmuls, 167 ms with K
+an H200 took 720 ms with TVM's convolutions, 371 ms as im2col and matmuls, 155-167 ms with K
 split (``bench/gpu_check.py``).
 
 Other convolutions (grouped, 1-D/3-D, other layouts) are left to legalization. The same pass
