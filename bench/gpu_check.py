@@ -195,7 +195,7 @@ def _build_adjoint(out: Path, name: str, size: str, target, tvm, relaxgrad, expo
     on_device = relaxgrad.compile(mod, target, schedule=schedule)
     stem = f"adjoint_{name}_{size}"
     on_device.export_library(str(out / f"{stem}.so"))
-    _compile_device_code(on_device, target, out, export)
+    export.compile_device_code(on_device, target, out)
     reference = relaxgrad.compile(mod, "llvm")
     vm = tvm.relax.VirtualMachine(reference, tvm.cpu())
     args = [tvm.runtime.tensor(inputs[p.name]) for p in mod["main"].params]
@@ -383,7 +383,7 @@ def _build_matmuls(out: Path, target) -> dict:
 
     library = tvm.compile(tvm.IRModule(funcs), target)
     library.export_library(str(out / "matmuls.so"))
-    _compile_device_code(library, target, out, export)
+    export.compile_device_code(library, target, out)
     return {"kind": "matmuls", "name": "BERT-base's matmuls by dlight config", "stem": "matmuls",
             "symbols": built, "shapes": MATMUL_SHAPES}  # fmt: skip
 
@@ -404,17 +404,6 @@ def _random(shape, dtype: str, rng) -> np.ndarray:
     if dtype == "bool":
         return rng.integers(0, 2, shape).astype(bool)
     return rng.uniform(-1, 1, shape).astype(dtype)
-
-
-def _compile_device_code(executable, target, out: Path, export) -> None:
-    from relaxgrad.training import runtime_runner
-
-    if runtime_runner.find_nvcc() is None:
-        return
-    for code in export.cuda_sources(executable):
-        path = out / runtime_runner.CUDA_CODE / runtime_runner.cuda_code_name(code)
-        path.parent.mkdir(exist_ok=True)
-        path.write_bytes(runtime_runner.compile_cuda(code, str(target.attrs["arch"])))
 
 
 def _trainer(name: str, optimizer=None):

@@ -24,7 +24,7 @@ from ..pipeline import Executable, resolve_target, target_device
 from ..schedules import blas
 from . import runtime_runner, state
 
-__all__ = ["LIBRARY", "STATE", "cuda_sources", "export_trainer"]
+__all__ = ["LIBRARY", "STATE", "compile_device_code", "cuda_sources", "export_trainer"]
 
 LIBRARY = "train.so"
 STATE = "state.params"
@@ -63,7 +63,7 @@ def export_trainer(trainer, folder, target=None) -> dict:
         shutil.copy2(blas.library_path(), os.path.join(folder, shipped))
     arrays, meta = trainer.state_arrays()
     state.write_state(os.path.join(folder, STATE), arrays, meta)
-    device_code = _compile_device_code(executable, target, folder)
+    device_code = compile_device_code(executable, target, folder)
     shutil.copy2(runtime_runner.__file__, os.path.join(folder, "runner.py"))
     shutil.copy2(state.__file__, os.path.join(folder, "state.py"))
     manifest = _manifest(trainer, target, shipped)
@@ -85,7 +85,7 @@ def cuda_sources(executable) -> list[str]:
     return [m.inspect_source() for m in modules(executable.mod) if m.kind == "cuda"]
 
 
-def _compile_device_code(executable, target: tvm.target.Target, folder: str) -> list[str]:
+def compile_device_code(executable, target: tvm.target.Target, folder) -> list[str]:
     """For a CUDA target, where ``nvcc`` is found: each device module's source compiled for
     the target's arch into ``folder/cuda/<digest>.fatbin``, which the runner hands TVM's
     runtime instead of compiling at load. Returns those files' names (none without nvcc:
