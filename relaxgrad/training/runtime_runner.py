@@ -160,6 +160,9 @@ def _load_device_runtime(device: str) -> None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
+_TVMS_CALLBACK: list | None = None  # [the callback before ours (or None)], once looked up
+
+
 def register_cuda_compiler(cache_dir=None, arch: str | None = None) -> None:
     """Let TVM's CUDA runtime load device code that was built as CUDA source.
 
@@ -169,15 +172,23 @@ def register_cuda_compiler(cache_dir=None, arch: str | None = None) -> None:
     runtime alone does not have. This registers one: it returns the compiled code that
     ``cache_dir`` holds for the source (``<sha256 of the source>.fatbin``, as
     ``Trainer.export`` writes it where it finds ``nvcc``), else compiles the source with
-    :func:`compile_cuda` for ``arch`` (default: GPU 0's) and keeps the result there.
+    :func:`compile_cuda` for ``arch`` (default: GPU 0's) and keeps the result there. Where no
+    ``nvcc`` is found, the callback registered before the first call of this function (TVM's
+    own, in a process with TVM's compiler: NVRTC through ``cuda-bindings``) compiles instead.
     """
+    global _TVMS_CALLBACK
+    if _TVMS_CALLBACK is None:
+        _TVMS_CALLBACK = [tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)]
+    fallback = _TVMS_CALLBACK[0]
 
-    def compile_source(code, *_):
+    def compile_source(code, *rest):
         code = str(code)
         path = None if cache_dir is None else os.path.join(cache_dir, cuda_code_name(code))
         if path is not None and os.path.exists(path):
             with open(path, "rb") as f:
                 return f.read()
+        if find_nvcc() is None and fallback is not None:
+            return fallback(code, *rest)
         binary = compile_cuda(code, arch or "sm_" + tvm.cuda(0).compute_version.replace(".", ""))
         if path is not None:
             try:

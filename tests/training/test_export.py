@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 from relaxgrad.training import (
     Adam,
@@ -208,6 +209,28 @@ def test_runner_hands_tvm_the_shipped_device_code(tmp_path):
         binary = bytes(callback(other))
         assert binary[:4] == bytes.fromhex("50ed55ba")
         assert (folder / runtime_runner.cuda_code_name(other)).read_bytes() == binary
+    finally:
+        if before is not None:
+            tvm.register_global_func("tvm_callback_cuda_compile", before, override=True)
+
+
+def test_runner_falls_back_to_tvms_compiler_without_nvcc(tmp_path, monkeypatch):
+    """Without nvcc and without a shipped file, the callback that was registered before the
+    runner's (TVM's own, with its compiler: NVRTC) compiles; the runner does not take it away."""
+    before = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+    calls = []
+
+    def tvms(code, *rest):
+        calls.append(code)
+        return b"from TVM's callback"
+
+    monkeypatch.setattr(runtime_runner, "_TVMS_CALLBACK", [tvm_ffi.convert(tvms)])
+    monkeypatch.setattr(runtime_runner, "find_nvcc", lambda: None)
+    try:
+        runtime_runner.register_cuda_compiler(tmp_path, arch="sm_90")
+        callback = tvm.get_global_func("tvm_callback_cuda_compile")
+        assert bytes(callback("__global__ void k() {}")) == b"from TVM's callback"
+        assert calls == ["__global__ void k() {}"]
     finally:
         if before is not None:
             tvm.register_global_func("tvm_callback_cuda_compile", before, override=True)
