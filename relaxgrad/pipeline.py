@@ -261,7 +261,9 @@ def host_target() -> Target:
 
 def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> tvm.transform.Pass:
     """The Relax pipeline for a GPU target: TVM's CUDA pipeline (relax/backend/cuda/pipeline.py)
-    with ``schedule`` (default ``ScheduleGPU()``) as its scheduling step; training-mode
+    with ``schedule`` (default ``ScheduleGPU()``) as its scheduling step; convolutions as
+    im2col and matmuls (:class:`ConvToMatmul`'s GPU form, weight gradients split along K);
+    training-mode
     ``batch_norm`` and ``variance`` written as means (:class:`ShareStatistics`: TVM's
     ``batch_norm`` kernel is one PrimFunc whose reductions dlight's Fallback runs on one thread
     per channel, 57 ms per call at ResNet-50's first stage on an H200); and ``take_backward``
@@ -275,7 +277,7 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
     legalize = LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward_gpu})
-    before = [ConvToMatmul(summed_batches=False, batch_columns_below=0), ShareStatistics(),
+    before = [ConvToMatmul(summed_batches=False), ShareStatistics(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(schedule, before, [WithoutSeqScopes()], cuda_graph,
                      "relaxgrad.gpu_pipeline", legalize=legalize)  # fmt: skip

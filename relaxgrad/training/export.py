@@ -97,12 +97,8 @@ def compile_device_code(executable, target: tvm.target.Target, folder) -> list[s
         return []
     names = []
     for code in cuda_sources(executable):
-        name = runtime_runner.cuda_code_name(code)
-        path = os.path.join(folder, runtime_runner.CUDA_CODE, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(runtime_runner.compile_cuda(code, arch))
-        names.append(f"{runtime_runner.CUDA_CODE}/{name}")
+        runtime_runner.cuda_binary(code, os.path.join(folder, runtime_runner.CUDA_CODE), arch)
+        names.append(f"{runtime_runner.CUDA_CODE}/{runtime_runner.cuda_code_name(code)}")
     return names
 
 

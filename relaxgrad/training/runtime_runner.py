@@ -44,7 +44,8 @@ try:  # inside relaxgrad
 except ImportError:  # the copy beside the artifacts, with state.py as its neighbour
     from state import read_state, write_state
 
-__all__ = ["CUDA_CODE", "MANIFEST", "Runner", "compile_cuda", "main", "register_cuda_compiler"]
+__all__ = ["CUDA_CODE", "MANIFEST", "Runner", "compile_cuda", "cuda_binary", "main",
+           "register_cuda_compiler"]
 
 MANIFEST = "manifest.json"
 CUDA_CODE = "cuda"
@@ -183,24 +184,41 @@ def register_cuda_compiler(cache_dir=None, arch: str | None = None) -> None:
 
     def compile_source(code, *rest):
         code = str(code)
-        path = None if cache_dir is None else os.path.join(cache_dir, cuda_code_name(code))
-        if path is not None and os.path.exists(path):
-            with open(path, "rb") as f:
-                return f.read()
-        if find_nvcc() is None and fallback is not None:
+        if find_nvcc() is None and fallback is not None and not _stored(code, cache_dir):
             return fallback(code, *rest)
-        binary = compile_cuda(code, arch or "sm_" + tvm.cuda(0).compute_version.replace(".", ""))
-        if path is not None:
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-                with open(path + ".tmp", "wb") as f:
-                    f.write(binary)
-                os.replace(path + ".tmp", path)
-            except OSError:  # a read-only folder: compiled again next time
-                pass
-        return binary
+        gpu_arch = arch or "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+        return cuda_binary(code, cache_dir, gpu_arch)
 
     tvm.register_global_func("tvm_callback_cuda_compile", compile_source, override=True)
+
+
+def cuda_binary(code: str, cache_dir, arch: str) -> bytes:
+    """``code``'s fatbin from ``cache_dir`` (``<sha256 of the source>.fatbin``), else compiled
+    by :func:`compile_cuda` for ``arch`` and kept there (unless ``cache_dir`` is None or
+    read-only)."""
+    path = _stored(code, cache_dir)
+    if path:
+        with open(path, "rb") as f:
+            return f.read()
+    binary = compile_cuda(code, arch)
+    if cache_dir is not None:
+        path = os.path.join(cache_dir, cuda_code_name(code))
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            with open(path + ".tmp", "wb") as f:
+                f.write(binary)
+            os.replace(path + ".tmp", path)
+        except OSError:  # a read-only folder: compiled again next time
+            pass
+    return binary
+
+
+def _stored(code: str, cache_dir) -> str | None:
+    """The path of ``code``'s fatbin in ``cache_dir``, where there is one."""
+    if cache_dir is None:
+        return None
+    path = os.path.join(cache_dir, cuda_code_name(code))
+    return path if os.path.exists(path) else None
 
 
 def cuda_code_name(code: str) -> str:
