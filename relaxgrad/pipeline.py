@@ -52,6 +52,7 @@ from .schedules import (
     MeanAsSum,
     MergeSiblingKernels,
     NllLossGradAsMask,
+    ReshapeOutputs,
     RowSparseGradients,
     ScheduleCPU,
     ScheduleGPU,
@@ -374,6 +375,7 @@ def _pipeline(
         schedule,
         *after_scheduling,
         relax.transform.RewriteDataflowReshape(),
+        ReshapeOutputs(),  # and the function's results that copy a kernel's output
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),

@@ -44,6 +44,7 @@ from .siblings import MergeSiblingKernels
 from .sparse_rows import RowSparseGradients
 from .statistics import ShareStatistics
 from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
+from .views import ReshapeOutputs
 
 __all__ = [
     "ColumnLocal",
@@ -65,6 +66,7 @@ __all__ = [
     "NllLossGradAsMask",
     "ShareStatistics",
     "ParallelLoops",
+    "ReshapeOutputs",
     "RowColumnLocal",
     "RowLocal",
     "RowSparseGradients",
