@@ -12,12 +12,14 @@ whose operands of the result's size all come, through such producers, from one v
 others smaller; or a reshape: a GELU's input, the bias sum reshaped from the gemm's rows, is
 read by GELU and by its gradient): each copy fuses into its reader, and ``x`` is kept instead
 of ``t`` (the same size), so the memory does not grow. A copy reads its producer's operands,
-so one of them that is itself such a producer gains a reader; rounds repeat until none is
-copied, up to ``max_rounds`` (batch norm's gradient: ``c * rstd`` copied, then ``c``; GPT-2's
-GELU, whose gradient reads ``x * x`` and ``x + 0.044715 x ** 3``: both copied, then what
-they read; in 4 rounds one intermediate is still written, 92 -> 72 ms a step; in 8 none
-(55 ms), but each round walks the adjoint again, which took tiny zoo models' compiles over
-1.5x ``tvm.compile``'s). A producer of no full-size operand (a broadcast mask, as the
+so one of them that is itself such a producer would gain a reader: a copy reads copies of
+those too, made with it (a producer read once, by a producer that is copied, counts as such),
+so that one round copies a whole chain (batch norm's gradient: ``c * rstd`` and, in its copies,
+``c``; GPT-2's GELU, whose gradient reads ``x * x`` and ``x + 0.044715 x ** 3``: both, and
+what they read). Rounds repeat until none is copied, up to ``max_rounds``, for the chains a
+round's rewrite makes (copying a chain one link per round, 4 rounds left one of GPT-2's GELU
+intermediates written: its adjoint, interleaved A/B over 6 rounds, median 3980 -> 3908 ms
+with the chains copied at once). A producer of no full-size operand (a broadcast mask, as the
 cross-entropy's gradient, :class:`~relaxgrad.schedules.NllLossGradAsMask`) is copied too. A
 copy computes at most ``_MAX_COST`` ops, its producers' copies included: a chain whose steps
 read the step before twice (``a = a * a + a``) would otherwise double its work per step.
@@ -96,6 +98,11 @@ def _operands(call: relax.Call) -> list:
     return list(args.fields) if isinstance(args, relax.Tuple) else list(args)
 
 
+def _cheap_operands(value: relax.Call, cheap: dict) -> list:
+    """The operands of ``value`` that are cheap producers, each once."""
+    return [arg for arg in dict.fromkeys(_operands(value)) if arg in cheap]
+
+
 def _size(expr) -> int | None:
     shape = static_shape(expr)
     return None if shape is None else math.prod(shape)
@@ -114,11 +121,13 @@ class _Rewriter(PyExprMutator):
         self.facts = facts
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
+        self.inner: dict = {}  # cheap producers of one reader, copied within copies only
         self.copies = 0
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        self.cheap, self.seen = self._cheap_producers(func), set()
-        if not self.cheap:
+        self.inner, self.seen = {}, set()
+        self.cheap = self._cheap_producers(func)
+        if len(self.cheap) == len(self.inner):  # none read twice
             return func  # nothing to copy: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
@@ -159,10 +168,12 @@ class _Rewriter(PyExprMutator):
                 continue  # a chain reading each step twice (a = a * a + a) would grow 2 ** n
             roots[hash(var)], costs[hash(var)] = found, cost
             users = readers.get(hash(var), [])
-            if len(users) < 2 or read_anywhere.get(hash(var), 0) != len(users):
+            if not users or read_anywhere.get(hash(var), 0) != len(users):
                 continue  # read by something other than call_tir, e.g. a tuple or the output
             if all(p <= _FUSABLE for p in users):
                 cheap[var] = b.value
+                if len(users) < 2:
+                    self.inner[var] = b.value  # copied only inside its reader's copies
         return cheap
 
     def _facts(self, binding: relax.VarBinding) -> tuple:
@@ -188,16 +199,25 @@ class _Rewriter(PyExprMutator):
             return super().visit_var_binding_(binding)
         copies = {}
         for arg in dict.fromkeys(args):  # each var once, in order
-            if arg in self.cheap:
+            if arg in self.cheap and arg not in self.inner:
                 if arg in self.seen:
-                    copies[arg] = self.builder_.emit(self.visit_expr(self.cheap[arg]), "dup")
-                    self.copies += 1
+                    copies[arg] = self._copy(arg)
                 self.seen.add(arg)
         if not copies:
             return super().visit_var_binding_(binding)
-        args = [copies.get(arg, arg) for arg in args]
-        operands = relax.Tuple([self.visit_expr(a) for a in args])
-        value = binding.value
-        new_value = relax.Call(value.op, [value.args[0], operands, *value.args[2:]],
-                               value.attrs, value.ty_args)  # fmt: skip
-        return super().visit_var_binding_(relax.VarBinding(binding.var, new_value))
+        return super().visit_var_binding_(
+            relax.VarBinding(binding.var, self._with_operands(binding.value, copies)))
+
+    def _copy(self, var) -> relax.Var:
+        """A copy of the cheap producer ``var``, reading copies of its own cheap producers
+        (those read by one kernel: the copy would be their second reader), so that one round
+        copies a whole chain (GPT-2's GELU: ``x * x``, then ``x ** 3``, then ``x + ...``)."""
+        value = self.cheap[var]
+        inner = {arg: self._copy(arg) for arg in _cheap_operands(value, self.cheap)}
+        self.copies += 1
+        return self.builder_.emit(self._with_operands(value, inner), "dup")
+
+    def _with_operands(self, value: relax.Call, copies: dict) -> relax.Call:
+        operands = relax.Tuple([self.visit_expr(copies.get(a, a)) for a in _operands(value)])
+        return relax.Call(value.op, [value.args[0], operands, *value.args[2:]],
+                          value.attrs, value.ty_args)  # fmt: skip
