@@ -124,3 +124,25 @@ def test_a_convolution_weight_gradient_is_the_gemm_output_itself():
     y = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), wt, padding=1)
     (y * y).sum().backward()
     np.testing.assert_allclose(dw.numpy(), wt.grad.numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_a_leading_slice_stays_a_copy():
+    """TVM's reshape pattern also holds for a kernel that copies the leading rows of its input
+    (the first part of a split, a slice from row 0; BERT's q, k and v weight gradients from
+    their concatenation's): not a reshape, its result stays a copy."""
+    x = relax.Var("x", relax.TensorType((96, 512), "float32"))
+    w = relax.Var("w", relax.TensorType((512, 32), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))  # an OpenBLAS call: fuses with nothing
+            parts = bb.emit(relax.op.split(y, 3, axis=0))
+            first = bb.emit_output(relax.TupleGetItem(parts, 0))
+            head = bb.emit_output(relax.op.strided_slice(y, axes=[0], begin=[0], end=[8]))
+        bb.emit_func_output(relax.Tuple([first, head]))
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype("float32") for s in ((96, 512), (512, 32)))
+    vm = relax.VirtualMachine(relaxgrad.compile(bb.get(), "llvm"), tvm.cpu())
+    first, head = (r.numpy() for r in vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)))
+    np.testing.assert_allclose(first, (a @ b)[:32], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(head, (a @ b)[:8], rtol=1e-4, atol=1e-4)
