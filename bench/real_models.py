@@ -175,7 +175,7 @@ def relaxgrad_trainer(module, x):
 
 def relaxgrad_adjoint_over_forward(trainer, inputs, y) -> float:
     """The loss's adjoint time over the loss's alone (the forward) on the step's batch, one
-    call of each in turn per round, 3 rounds."""
+    call of each in turn per round, 5 rounds."""
     from _common import adjoint_over_forward
 
     args = trainer._args(inputs, train=True)
@@ -183,7 +183,7 @@ def relaxgrad_adjoint_over_forward(trainer, inputs, y) -> float:
     name = trainer.func_name
     forward, adjoint = trainer.vm[f"{name}_loss"], trainer.vm[f"{name}_loss_adjoint"]
     forward(*args)
-    return adjoint_over_forward(forward, adjoint, args, rounds=3)
+    return adjoint_over_forward(forward, adjoint, args, rounds=5)
 
 
 def kernels(framework: str) -> str:
