@@ -45,7 +45,7 @@ class ReshapeOutputs:
 
         def is_reshape(gvar) -> bool:
             if gvar not in reshapes:
-                func = mod[gvar] if gvar in mod.get_global_vars() else None
+                func = mod.functions.get(gvar)
                 # (TVM's check raises on a function without a root block: BLAS calls)
                 reshapes[gvar] = isinstance(func, tvm.tirx.PrimFunc) and \
                     isinstance(func.body, s_tir.SBlockRealize) and \
@@ -54,8 +54,11 @@ class ReshapeOutputs:
 
         def rewrite(bindings: list) -> list | None:
             values = {b.var: b.value for b in bindings if isinstance(b, relax.VarBinding)}
-            written = {arg for value in values.values() if is_op(value, _IN_PLACE)
-                       for arg in value.args[1].fields}  # fmt: skip
+            written = set()  # what an in-place call writes (and so may change under a view)
+            for value in values.values():
+                if is_op(value, _IN_PLACE):
+                    args = value.args[1]
+                    written.update(args.fields if isinstance(args, relax.Tuple) else [args])
             out, changed = [], False
             for binding in bindings:
                 view = _view(binding, values, written, is_reshape)
