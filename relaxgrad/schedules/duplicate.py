@@ -209,9 +209,10 @@ class _Rewriter(PyExprMutator):
             relax.VarBinding(binding.var, self._with_operands(binding.value, copies)))
 
     def _copy(self, var) -> relax.Var:
-        """A copy of the cheap producer ``var``, reading copies of its own cheap producers
-        (those read by one kernel: the copy would be their second reader), so that one round
-        copies a whole chain (GPT-2's GELU: ``x * x``, then ``x ** 3``, then ``x + ...``)."""
+        """A copy of the cheap producer ``var``, reading copies of the cheap producers it
+        reads (each would otherwise gain this copy as a reader, and a producer of one reader
+        is copied nowhere else), so that one round copies a whole chain (GPT-2's GELU:
+        ``x * x``, then ``x ** 3``, then ``x + ...``)."""
         value = self.cheap[var]
         inner = {arg: self._copy(arg) for arg in _cheap_operands(value, self.cheap)}
         self.copies += 1
