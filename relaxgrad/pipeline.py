@@ -264,8 +264,7 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     """The Relax pipeline for a GPU target: TVM's CUDA pipeline (relax/backend/cuda/pipeline.py)
     with ``schedule`` (default ``ScheduleGPU()``) as its scheduling step; convolutions as
     im2col and matmuls (:class:`ConvToMatmul`'s GPU form, weight gradients split along K);
-    training-mode
-    ``batch_norm`` and ``variance`` written as means (:class:`ShareStatistics`: TVM's
+    training-mode ``batch_norm`` and ``variance`` written as means (:class:`ShareStatistics`: TVM's
     ``batch_norm`` kernel is one PrimFunc whose reductions dlight's Fallback runs on one thread
     per channel, 57 ms per call at ResNet-50's first stage on an H200); and ``take_backward``
     (an embedding's gradient) legalized as a GPU scatter-add

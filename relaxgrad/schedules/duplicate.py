@@ -98,11 +98,6 @@ def _operands(call: relax.Call) -> list:
     return list(args.fields) if isinstance(args, relax.Tuple) else list(args)
 
 
-def _cheap_operands(value: relax.Call, cheap: dict) -> list:
-    """The operands of ``value`` that are cheap producers, each once."""
-    return [arg for arg in dict.fromkeys(_operands(value)) if arg in cheap]
-
-
 def _size(expr) -> int | None:
     shape = static_shape(expr)
     return None if shape is None else math.prod(shape)
@@ -121,11 +116,11 @@ class _Rewriter(PyExprMutator):
         self.facts = facts
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
-        self.inner: dict = {}  # cheap producers of one reader, copied within copies only
+        self.inner: set = set()  # cheap producers of one reader, copied within copies only
         self.copies = 0
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        self.inner, self.seen = {}, set()
+        self.inner, self.seen = set(), set()
         self.cheap = self._cheap_producers(func)
         if len(self.cheap) == len(self.inner):  # none read twice
             return func  # nothing to copy: no need to rebuild it binding by binding
@@ -173,7 +168,7 @@ class _Rewriter(PyExprMutator):
             if all(p <= _FUSABLE for p in users):
                 cheap[var] = b.value
                 if len(users) < 2:
-                    self.inner[var] = b.value  # copied only inside its reader's copies
+                    self.inner.add(var)  # copied only inside its reader's copies
         return cheap
 
     def _facts(self, binding: relax.VarBinding) -> tuple:
@@ -214,7 +209,8 @@ class _Rewriter(PyExprMutator):
         is copied nowhere else), so that one round copies a whole chain (GPT-2's GELU:
         ``x * x``, then ``x ** 3``, then ``x + ...``)."""
         value = self.cheap[var]
-        inner = {arg: self._copy(arg) for arg in _cheap_operands(value, self.cheap)}
+        inner = {arg: self._copy(arg) for arg in dict.fromkeys(_operands(value))
+                 if arg in self.cheap}  # fmt: skip
         self.copies += 1
         return self.builder_.emit(self._with_operands(value, inner), "dup")
 

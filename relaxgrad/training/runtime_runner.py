@@ -184,7 +184,7 @@ def register_cuda_compiler(cache_dir=None, arch: str | None = None) -> None:
 
     def compile_source(code, *rest):
         code = str(code)
-        if find_nvcc() is None and fallback is not None and not _stored(code, cache_dir):
+        if fallback is not None and _stored(code, cache_dir) is None and find_nvcc() is None:
             return fallback(code, *rest)
         gpu_arch = arch or "sm_" + tvm.cuda(0).compute_version.replace(".", "")
         return cuda_binary(code, cache_dir, gpu_arch)
