@@ -75,6 +75,7 @@ __all__ = [
     "Executable",
     "compile",
     "cpu_pipeline",
+    "cpu_target",
     "gpu_pipeline",
     "host_target",
     "resolve_target",
@@ -146,7 +147,7 @@ def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
         try:
-            built = _build_cpu(mod, target, schedule)
+            built = _build_cpu(mod, cpu_target(target), schedule)
         finally:
             forget_inlined()
         return Executable(built.mod, blas.available(target) and blas.called_in(built.mod))
@@ -249,6 +250,20 @@ def target_device(target: str | Mapping | Target) -> tvm.runtime.Device:
         target = Target(target)
     kind = target.kind.name
     return tvm.cpu() if kind in ("llvm", "c") else tvm.device(kind, 0)
+
+
+def cpu_target(target: Target) -> Target:
+    """``target`` (an ``llvm`` one) with LLVM's loop vectorizer turned off.
+
+    relaxgrad's CPU schedules vectorize their loops themselves, in TIR; LLVM's loop vectorizer
+    only sees the loops TVM leaves scalar, and LLVM 22 (TVM 0.27's) miscompiles some of them
+    for every target from AVX2 up: a 16-iteration loop over a fused index reading
+    ``a[4 * (i // 32) + i % 4]`` was vectorized as a contiguous load of ``a[4 * (i // 32) + i]``,
+    past the end of ``a`` (MobileViT's layer-norm gradient over one patch: the stem
+    convolution's weight gradient came out NaN, with a finite loss).
+    """
+    options = [*target.attrs.get("cl-opt", []), "-vectorize-loops:bool=false"]
+    return Target({**target.export(), "cl-opt": list(dict.fromkeys(options))})
 
 
 def host_target() -> Target:

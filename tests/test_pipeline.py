@@ -680,3 +680,45 @@ def test_cuda_refuses_tvms_max_pool_gradient_kernel():
     with pytest.raises(relaxgrad.GradientError, match="max_pool2d_backward is TVM's"):
         relaxgrad.compile(mod, CUDA)
     assert "maxpool_grad_argmax" not in _cuda_source(relaxgrad.compile(adjoint_module("cnn"), CUDA))
+
+
+# A kernel of the form relaxgrad's schedules give a fused reshape: 16 lanes over a loop whose
+# index restarts every 4 (``i % 4``), reading a per-row value; TVM scalarizes the loop (rsqrt),
+# and LLVM 22's loop vectorizer loaded ``a[4 * v0 + i]`` for ``a[4 * v0 + i % 4]``, past the end
+# of ``a`` (MobileViT's layer norm over one patch: a NaN weight gradient).
+_PERIODIC_KERNEL = """
+# from tvm.script import tirx as T
+@T.prim_func(s_tir=True)
+def kernel(a: T.Buffer((8, 1, 1), "float32"), b: T.Buffer((8, 1, 32), "float32"),
+           out: T.Buffer((2, 32, 4), "float32")):
+    T.func_attr({"tirx.noalias": True})
+    for f0 in range(4):
+        for f1 in T.unroll(4):
+            for f2 in T.vectorized(16):
+                with T.sblock("out"):
+                    v0 = T.axis.spatial(2, (f0 * 64 + f1 * 16 + f2) // 128)
+                    v1 = T.axis.spatial(32, (f0 * 64 + f1 * 16 + f2) % 128 // 4)
+                    v2 = T.axis.spatial(4, (f0 * 64 + f1 * 16 + f2) % 4)
+                    out[v0, v1, v2] = b[v0 * 4 + v2, 0, v1] * T.rsqrt(a[v0 * 4 + v2, 0, 0])
+"""
+
+
+def test_cpu_target_builds_periodic_indices_right():
+    """relaxgrad's CPU builds turn LLVM's loop vectorizer off (``cpu_target``): the kernel
+    above gives numpy's values, for this machine's CPU and for a generic AVX2 one."""
+    from relaxgrad.pipeline import cpu_target
+
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.5, 2, (8, 1, 1)).astype("float32")
+    b = rng.standard_normal((8, 1, 32)).astype("float32")
+    rows = np.arange(2)[:, None] * 4 + np.arange(4)[None, :]
+    want = (b[rows, 0, :] / np.sqrt(a[rows, 0, 0])[..., None]).transpose(0, 2, 1)
+    for base in (host_target(), tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})):
+        target = cpu_target(base)
+        assert "-vectorize-loops:bool=false" in target.attrs["cl-opt"]
+        name = f"periodic_{base.attrs.get('mcpu', 'generic')}".replace("-", "_")
+        func = tvm.script.from_source(_PERIODIC_KERNEL).with_attr("global_symbol", name)
+        lib = tvm.compile(tvm.IRModule({name: func}), target)
+        out = tvm.runtime.tensor(np.zeros((2, 32, 4), "float32"))
+        lib[name](tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)

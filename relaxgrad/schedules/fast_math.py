@@ -1,5 +1,5 @@
-"""``exp``, ``tanh``, ``sigmoid`` and ``erf`` of float32 as polynomials LLVM vectorizes (a pass
-over PrimFuncs, CPU).
+"""``exp``, ``tanh``, ``sigmoid`` and ``erf`` of float32 as polynomials LLVM vectorizes, and
+``rsqrt`` as ``1 / sqrt``, which TVM vectorizes (a pass over PrimFuncs, CPU).
 
 LLVM lowers ``llvm.exp.v16f32`` to sixteen calls of libm's ``expf``: softmax's two
 exponentials of a transformer's (16, 4, 128, 128) scores took 7 ms, more than the layer's
@@ -18,6 +18,12 @@ them, float32 only:
   4.5 s step (one thread) with libm's ``erff`` per element.
 
 Other dtypes are left to LLVM.
+
+- ``T.rsqrt(x)`` of any float dtype into ``1 / T.sqrt(x)``, what LLVM computes for it anyway:
+  TVM's ``VectorizeLoop`` cannot vectorize ``rsqrt`` and scalarizes the whole loop (every
+  normalization's gradient has one), leaving it to LLVM's loop vectorizer, which LLVM 22
+  miscompiles for the periodic indices of our fused loops (see
+  :func:`relaxgrad.pipeline.cpu_target`).
 """
 
 from __future__ import annotations
@@ -100,6 +106,11 @@ def fast_tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Let(var, x, tanh(var))
 
 
+def reciprocal_sqrt(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``1 / sqrt(x)``: ``T.rsqrt`` in ops TVM's vectorizer takes."""
+    return tirx.const(1.0, str(x.ty)) / tirx.sqrt(x)
+
+
 def fast_sigmoid(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """``1 / (1 + exp(-x))`` on :func:`fast_exp` for a float32 ``x``."""
     one = tirx.const(1.0, "float32")
@@ -141,14 +152,18 @@ def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
 class FastMath:
     """Rewrite float32 ``T.exp``, ``T.tanh``, ``T.sigmoid`` and ``T.erf`` of the module's
     PrimFuncs into :func:`fast_exp`, :func:`fast_tanh`, :func:`fast_sigmoid` and
-    :func:`fast_erf`."""
+    :func:`fast_erf`, and ``T.rsqrt`` of any float dtype into :func:`reciprocal_sqrt`."""
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         rules = [(Op.get(f"tirx.{name}"), rule) for name, rule in
                  (("exp", fast_exp), ("tanh", fast_tanh), ("sigmoid", fast_sigmoid),
                   ("erf", fast_erf))]  # fmt: skip
 
+        rsqrt = Op.get("tirx.rsqrt")
+
         def rewrite(call: tvm.ir.Call):
+            if call.op.same_as(rsqrt) and "float" in str(call.ty):
+                return reciprocal_sqrt(call.args[0])
             if str(call.ty) != "float32":  # vector lanes come later, with vectorize
                 return call
             for op, rule in rules:

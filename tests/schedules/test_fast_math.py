@@ -91,3 +91,19 @@ def test_compiled_models_match_numpy(activation):
     # (GELU of a negative x is x * (1 + erf) / 2 with erf near -1: erf's absolute error, up to
     # 3.6e-7 for fast_erf's (6 ulp near 1), 6e-8 rounded correctly, times |x| / 2)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 if activation == "gelu" else 1e-7)
+
+
+def test_rsqrt_becomes_a_division_tvm_vectorizes():
+    """``T.rsqrt`` of any float dtype: ``1 / sqrt``, which TVM's VectorizeLoop vectorizes (it
+    scalarizes a loop with ``rsqrt`` in it, leaving the loop to LLVM's vectorizer)."""
+    for dtype in ("float32", "float64"):
+        mod = _compiled(te.rsqrt, 64, dtype, vectorize=True)
+        assert "rsqrt" not in mod.script()
+        lib = tvm.compile(mod, "llvm")
+        short = "f32" if dtype == "float32" else "f64"
+        assert f"llvm.sqrt.v16{short}" in lib.mod.inspect_source("ll")  # 16 lanes: not scalar
+        x = np.random.default_rng(0).uniform(0.1, 10, 64).astype(dtype)
+        y = tvm.runtime.tensor(np.zeros(64, dtype))
+        lib["main"](tvm.runtime.tensor(x), y)
+        np.testing.assert_allclose(y.numpy(), 1 / np.sqrt(x), rtol=2e-7 if dtype == "float32"
+                                   else 1e-15)
