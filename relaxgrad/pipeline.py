@@ -58,6 +58,7 @@ from .schedules import (
     ScheduleGPU,
     SerialVectorLoops,
     ShareStatistics,
+    WideColumnSums,
     WindowScatter,
     blas,
     default_cpu_rules,
@@ -292,7 +293,7 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
     legalize = LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward_gpu})
-    before = [ConvToMatmul(summed_batches=False), ShareStatistics(),
+    before = [ConvToMatmul(summed_batches=False), ShareStatistics(), WideColumnSums(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(schedule, before, [WithoutSeqScopes()], cuda_graph,
                      "relaxgrad.gpu_pipeline", legalize=legalize)  # fmt: skip
@@ -303,10 +304,10 @@ def cpu_pipeline(
 ) -> tvm.transform.Pass:
     """The Relax pipeline for an ``llvm`` target: :class:`RowSparseGradients`,
     :class:`WindowScatter`, :class:`NllLossGradAsMask`, :class:`IntegerPowers`,
-    :class:`ConvToMatmul`, :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum` and
-    ``EliminateCommonSubexpr`` (a batch norm's statistics in its forward and gradient, and a
-    convolution's im2col in its forward and weight gradient: computed once) before
-    legalization, then
+    :class:`ConvToMatmul`, :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum`,
+    :class:`WideColumnSums` and ``EliminateCommonSubexpr`` (a batch norm's statistics in its
+    forward and gradient, and a convolution's im2col in its forward and weight gradient:
+    computed once) before legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, ``DeadCodeElimination``, which drops the
@@ -339,7 +340,7 @@ def cpu_pipeline(
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
     before = [RowSparseGradients(), WindowScatter(), NllLossGradAsMask(), IntegerPowers(),
               ConvToMatmul(summed),
-              MatmulToBLAS(), ShareStatistics(), MeanAsSum(),
+              MatmulToBLAS(), ShareStatistics(), MeanAsSum(), WideColumnSums(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(
         schedule, before,

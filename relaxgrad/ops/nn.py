@@ -464,23 +464,42 @@ max_pool2d_grad = _pool2d("relax.nn.max_pool2d", max_pool2d_backward)
 avg_pool2d_grad = _pool2d("relax.nn.avg_pool2d", avg_pool2d_backward)
 
 
-# Normalizations. The backward pass recomputes the statistics (in float32 for float16 inputs,
-# as TVM's kernels compute them) and uses, for xhat = (x - mean(x)) * rstd over ``axes``,
+# Normalizations. The backward pass recomputes the statistics (in :func:`_compute_dtype`) and
+# uses, for xhat = (x - mean(x)) * rstd over ``axes``,
 #     dx = rstd * (gx - mean(gx) - xhat * mean(gx * xhat)),  gx = d loss / d xhat.
 
 
-def _wide(expr, dtype: str):
-    """``expr`` in the compute dtype of ``dtype``: float32 for float16, else itself."""
-    return astype(expr, "float32") if dtype == "float16" else expr
+#: Fewer elements per statistic than this, a float32 normalization's gradient is computed in
+#: float64: its projections cancel (over 2 elements, ``g`` lies in the span of 1 and ``xhat``,
+#: and only eps's share of it is left: a batch norm over a batch of 2, LeViT's classifier), and
+#: so few are cheap.
+FEW_ELEMENTS = 16
 
 
-def _wide_dtype(dtype: str) -> str:
-    return "float32" if dtype == "float16" else dtype
+def _compute_dtype(dtype: str, elements=None) -> str:
+    """The dtype a normalization's gradient of ``dtype`` is computed in: float32 for float16 and
+    bfloat16 (as TVM's kernels compute them), float64 for float32 over fewer than
+    :data:`FEW_ELEMENTS` static ``elements`` per statistic, else ``dtype``."""
+    if dtype in ("float16", "bfloat16"):
+        return "float32"
+    if dtype == "float32" and isinstance(elements, int) and elements < FEW_ELEMENTS:
+        return "float64"
+    return dtype
 
 
-def _narrow(expr, dtype: str):
-    """A partial computed by :func:`_wide` math, back in ``dtype``."""
-    return astype(expr, dtype) if dtype == "float16" else expr
+def _wide(expr, dtype: str, wide: str):
+    """``expr``, of ``dtype``, in the compute dtype ``wide``."""
+    return expr if wide == dtype else astype(expr, wide)
+
+
+def _narrow(expr, dtype: str, wide: str):
+    """A partial computed in ``wide`` (by :func:`_wide` math), back in ``dtype``."""
+    return expr if wide == dtype else astype(expr, dtype)
+
+
+def _narrow_all(expr, dtype: str, wide: str):
+    """:func:`_narrow`, None for None (no gradient)."""
+    return None if expr is None else _narrow(expr, dtype, wide)
 
 
 def _standardized(x, axes: list[int], epsilon: float, dtype: str):
@@ -519,9 +538,10 @@ def _norm_axes(op_name: str, attrs, ndim: int, affine: bool = True) -> list[int]
     return axes
 
 
-def _per_axes(param, axes: list[int], dims: list, dtype: str):
-    """``param`` of shape ``dims[axes]`` shaped to broadcast against a tensor of shape ``dims``."""
-    return reshape(_wide(param, dtype), [d if a in axes else 1 for a, d in enumerate(dims)])
+def _per_axes(param, axes: list[int], dims: list, dtype: str, wide: str):
+    """``param`` (of ``dtype``) of shape ``dims[axes]`` in ``wide``, shaped to broadcast against
+    a tensor of shape ``dims``."""
+    return reshape(_wide(param, dtype, wide), [d if a in axes else 1 for a, d in enumerate(dims)])
 
 
 @register_gradient("relax.nn.layer_norm")
@@ -534,16 +554,16 @@ def layer_norm_grad(orig_var, orig_call, output_grad, ctx):
     x, gamma, beta = orig_call.args
     attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
     axes = _norm_axes("relax.nn.layer_norm", attrs, len(dims))
-    wide, g = _wide_dtype(dtype), _wide(output_grad, dtype)
-    xw = _wide(x, dtype)
+    wide = _compute_dtype(dtype, count(x, axes))
+    g, xw = _wide(output_grad, dtype, wide), _wide(x, dtype, wide)
     centered = xw - mean(xw, axes, keepdims=True)
     rstd = rsqrt(mean(centered * centered, axes, keepdims=True) + const(float(attrs.epsilon), wide))
-    gx = g * _per_axes(gamma, axes, dims, dtype)
+    gx = g * _per_axes(gamma, axes, dims, dtype, wide)
     slope = rstd * rstd * mean(gx * centered, axes, keepdims=True)
     dx = rstd * (gx - mean(gx, axes, keepdims=True) - centered * slope)
     dgamma = _sum_except(g * centered * rstd, axes, len(dims))
     dbeta = _sum_except(g, axes, len(dims))
-    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+    return [_narrow(dx, dtype, wide), _narrow(dgamma, dtype, wide), _narrow(dbeta, dtype, wide)]
 
 
 @register_gradient("relax.nn.rms_norm")
@@ -553,20 +573,21 @@ def rms_norm_grad(orig_var, orig_call, output_grad, ctx):
     x, weight = orig_call.args
     attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
     axes = _norm_axes("relax.nn.rms_norm", attrs, len(dims), affine=False)
-    xw, g = _wide(x, dtype), _wide(output_grad, dtype)
-    eps = const(float(attrs.epsilon), _wide_dtype(dtype))
+    wide = _compute_dtype(dtype, count(x, axes))
+    xw, g = _wide(x, dtype, wide), _wide(output_grad, dtype, wide)
+    eps = const(float(attrs.epsilon), wide)
     r = rsqrt(mean(xw * xw, axes, keepdims=True) + eps)
-    gw = g * _per_axes(weight, axes, dims, dtype)
+    gw = g * _per_axes(weight, axes, dims, dtype, wide)
     dx = r * gw - xw * (r * r * r) * mean(gw * xw, axes, keepdims=True)
     dweight = _sum_except(g * xw * r, axes, len(dims))
-    return [_narrow(dx, dtype), _narrow(dweight, dtype)]
+    return [_narrow(dx, dtype, wide), _narrow(dweight, dtype, wide)]
 
 
-def _channel_affine_grads(x, gamma, g, xhat, channel: int, ndim: int, dtype: str):
+def _channel_affine_grads(x, gamma, g, xhat, channel: int, ndim: int, wide: str):
     """``(gx, dgamma, dbeta)`` of ``y = xhat * gamma + beta`` with gamma and beta per channel."""
     per_channel = [1] * ndim
     per_channel[channel] = _ty.shape_values(x)[channel]
-    gx = g * reshape(_wide(gamma, dtype), per_channel)
+    gx = g * reshape(_wide(gamma, _ty.dtype_of(x), wide), per_channel)
     return gx, _sum_except(g * xhat, [channel], ndim), _sum_except(g, [channel], ndim)
 
 
@@ -581,12 +602,17 @@ def group_norm_grad(orig_var, orig_call, output_grad, ctx):
     channel = int(attrs.channel_axis) % ndim
     grouped = dims[:channel] + [groups, dims[channel] // groups] + dims[channel + 1 :]
     group_axes = [channel + 1] + [a + 1 if a > channel else a for a in axes]
-    xw, g = reshape(_wide(x, dtype), grouped), _wide(output_grad, dtype)
-    xhat, rstd = _standardized(xw, group_axes, float(attrs.epsilon), _wide_dtype(dtype))
+    spatial = count(x, axes)  # times the channels of a group: the elements of a statistic
+    per_group = dims[channel]
+    elements = (spatial * int(per_group) // groups
+                if isinstance(spatial, int) and isinstance(per_group, tirx.IntImm) else None)
+    wide = _compute_dtype(dtype, elements)
+    xw, g = reshape(_wide(x, dtype, wide), grouped), _wide(output_grad, dtype, wide)
+    xhat, rstd = _standardized(xw, group_axes, float(attrs.epsilon), wide)
     xhat_flat = reshape(xhat, dims)
-    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat_flat, channel, ndim, dtype)
+    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat_flat, channel, ndim, wide)
     dx = reshape(_standardized_grad(xhat, rstd, reshape(gx, grouped), group_axes), dims)
-    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+    return [_narrow(dx, dtype, wide), _narrow(dgamma, dtype, wide), _narrow(dbeta, dtype, wide)]
 
 
 @register_gradient("relax.nn.instance_norm")
@@ -597,11 +623,12 @@ def instance_norm_grad(orig_var, orig_call, output_grad, ctx):
     attrs, dtype, dims = orig_call.attrs, _ty.dtype_of(x), _ty.shape_values(x)
     axes = _norm_axes("relax.nn.instance_norm", attrs, len(dims))
     channel = int(attrs.channel_axis) % len(dims)
-    g = _wide(output_grad, dtype)
-    xhat, rstd = _standardized(_wide(x, dtype), axes, float(attrs.epsilon), _wide_dtype(dtype))
-    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+    wide = _compute_dtype(dtype, count(x, axes))
+    g = _wide(output_grad, dtype, wide)
+    xhat, rstd = _standardized(_wide(x, dtype, wide), axes, float(attrs.epsilon), wide)
+    gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), wide)
     dx = _standardized_grad(xhat, rstd, gx, axes)
-    return [_narrow(dx, dtype), _narrow(dgamma, dtype), _narrow(dbeta, dtype)]
+    return [_narrow(dx, dtype, wide), _narrow(dgamma, dtype, wide), _narrow(dbeta, dtype, wide)]
 
 
 _ZEROS = tvm.ir.Op.get("relax.zeros")
@@ -621,41 +648,69 @@ def _tuple_field_grads(ctx, output_grad, count: int) -> list:
     return grads
 
 
+def batch_statistics(x, axes: list[int]):
+    """``(m, c, v)`` of a training-mode batch norm of ``x`` over ``axes`` (kept): the mean,
+    ``x - m`` and the mean of ``c * c``, accumulated in :func:`_accumulator`'s dtype (float64
+    for float32 ``x``, as PyTorch's CPU kernel accumulates a batch norm's sums in double).
+    ``relaxgrad.compile``'s :class:`~relaxgrad.schedules.ShareStatistics` writes the forward
+    pass's statistics with it, so that the gradient's are the same computation."""
+    dtype = _ty.dtype_of(x)
+    xa = _wide(x, dtype, _accumulator(dtype))
+    m = mean(xa, axes, keepdims=True)
+    c = xa - m
+    return m, c, mean(c * c, axes, keepdims=True)
+
+
+def _accumulator(dtype: str) -> str:
+    """The dtype a batch norm of ``dtype`` accumulates its sums in."""
+    return "float64" if dtype == "float32" else _compute_dtype(dtype)
+
+
 def _batch_norm_train_grads(x, gamma, grads, attrs, channel: int):
     """``[dx, dgamma, dbeta, dmoving_mean, dmoving_var]`` of a training-mode batch_norm (None
-    for no gradient), from the adjoints ``grads`` of ``(y, new_mean, new_var)``."""
+    for no gradient), from the adjoints ``grads`` of ``(y, new_mean, new_var)``.
+
+    As PyTorch's CPU kernel: the statistics and the sums ``sum(g)`` and ``sum(g * (x - m))``
+    accumulated in float64 (for float32), then per element, in the compute dtype,
+    ``dx = (g - sum(g) / n - (x - m) * rstd^2 * sum(g * (x - m)) / n) * rstd * gamma``."""
     g, g_mean, g_var = grads
     dims, dtype = _ty.shape_values(x), _ty.dtype_of(x)
     axes = [a for a in range(len(dims)) if a != channel]
-    xw = _wide(x, dtype)
-    xhat, rstd = _standardized(xw, axes, float(attrs.epsilon), _wide_dtype(dtype))
+    acc, wide = _accumulator(dtype), _compute_dtype(dtype, count(x, axes))
+    per_channel = [1] * len(dims)
+    per_channel[channel] = dims[channel]
+    m, c, v = batch_statistics(x, axes)
+    rstd = rsqrt(v + const(float(attrs.epsilon), acc))
+    n = scalar(count(x, axes), acc)
+    centered = _wide(x, dtype, wide) - _wide(m, acc, wide)  # (x - m) per element, in wide
     dx = dgamma = dbeta = None
     if g is not None:
-        g = _wide(g, dtype)
-        _, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
-        # _standardized_grad's means of gx = g * gamma and gx * xhat over the normalized axes
-        # (all but the channel) are dbeta and dgamma, times gamma / n: two reductions saved.
-        per_channel = [1] * len(dims)
-        per_channel[channel] = dims[channel]
-        n = scalar(count(x, axes), _wide_dtype(dtype))
-        scale = rstd * reshape(_wide(gamma, dtype), per_channel) if attrs.scale else rstd
-        sums = reshape(dbeta, per_channel) + xhat * reshape(dgamma, per_channel)
-        dx = scale * (g - sums / n)
-    wide, momentum = _wide_dtype(dtype), float(attrs.momentum)
+        ga = _wide(g, dtype, acc)
+        sum_g = _sum_except(ga, [channel], len(dims))
+        dot = _sum_except(ga * c, [channel], len(dims))
+        dgamma, dbeta = dot * reshape(rstd, [dims[channel]]), sum_g
+        scale = _wide(rstd, acc, wide)
+        if attrs.scale:
+            scale = scale * reshape(_wide(gamma, dtype, wide), per_channel)
+        grad_mean = _wide(reshape(sum_g, per_channel) / n, acc, wide)
+        projection = _wide(reshape(dot, per_channel) * rstd * rstd / n, acc, wide)
+        dx = (_wide(g, dtype, wide) - grad_mean - centered * projection) * scale
+    momentum = float(attrs.momentum)
     per_element = const(momentum, wide) / scalar(count(x, axes), wide)  # m / n
     stat_grads = []
-    for stat_grad, of_x in ((g_mean, None), (g_var, xw - mean(xw, axes, keepdims=True))):
+    for stat_grad, of_x in ((g_mean, None), (g_var, centered)):
         if stat_grad is None:  # new_mean = (1 - m) mean + m batch_mean, same for the var
             stat_grads.append(None)
             continue
         stat_grads.append(const(1 - momentum, dtype) * stat_grad)
-        per_x = _per_axes(stat_grad, [channel], dims, dtype) * per_element
+        per_x = _per_axes(stat_grad, [channel], dims, dtype, wide) * per_element
         if of_x is None:  # the same for every element: broadcast to x's own shape
             per_x = relax.op.broadcast_to(per_x, _ty.shape_of(x))
         else:
             per_x = const(2, wide) * per_x * of_x
         dx = per_x if dx is None else dx + per_x
-    return [dx, dgamma, dbeta, *stat_grads]
+    return [_narrow_all(dx, dtype, wide), _narrow_all(dgamma, dtype, acc),
+            _narrow_all(dbeta, dtype, acc), *stat_grads]
 
 
 def _batch_norm_eval_grads(x, gamma, moving_mean, moving_var, grads, attrs, channel: int):
@@ -665,20 +720,23 @@ def _batch_norm_eval_grads(x, gamma, moving_mean, moving_var, grads, attrs, chan
     dims, dtype = _ty.shape_values(x), _ty.dtype_of(x)
     dx = dgamma = dbeta = None
     d_mean, d_var = g_mean, g_var
+    wide = _compute_dtype(dtype)
     if g is not None:
-        g = _wide(g, dtype)
-        r = rsqrt(_wide(moving_var, dtype) + const(float(attrs.epsilon), _wide_dtype(dtype)))
-        centered = _wide(x, dtype) - _per_axes(moving_mean, [channel], dims, dtype)
-        xhat = centered * _per_axes(r, [channel], dims, _wide_dtype(dtype))
-        gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), dtype)
+        g = _wide(g, dtype, wide)
+        r = rsqrt(_wide(moving_var, dtype, wide) + const(float(attrs.epsilon), wide))
+        centered = _wide(x, dtype, wide) - _per_axes(moving_mean, [channel], dims, dtype, wide)
+        xhat = centered * _per_axes(r, [channel], dims, wide, wide)
+        gx, dgamma, dbeta = _channel_affine_grads(x, gamma, g, xhat, channel, len(dims), wide)
         gx = gx if attrs.scale else g
-        dx = gx * _per_axes(r, [channel], dims, _wide_dtype(dtype))
+        dx = gx * _per_axes(r, [channel], dims, wide, wide)
         mean_grad = -_sum_except(dx, [channel], len(dims))
         var_grad = _sum_except(gx * centered, [channel], len(dims)) * (r * r * r)
-        var_grad = const(-0.5, _wide_dtype(dtype)) * var_grad
-        d_mean = mean_grad if d_mean is None else _wide(d_mean, dtype) + mean_grad
-        d_var = var_grad if d_var is None else _wide(d_var, dtype) + var_grad
-    return [dx, dgamma, dbeta, d_mean, d_var]
+        var_grad = const(-0.5, wide) * var_grad
+        d_mean = mean_grad if d_mean is None else _wide(d_mean, dtype, wide) + mean_grad
+        d_var = var_grad if d_var is None else _wide(d_var, dtype, wide) + var_grad
+        d_mean, d_var = _narrow(d_mean, dtype, wide), _narrow(d_var, dtype, wide)
+    return [_narrow_all(dx, dtype, wide), _narrow_all(dgamma, dtype, wide),
+            _narrow_all(dbeta, dtype, wide), d_mean, d_var]
 
 
 @register_gradient("relax.nn.batch_norm")
@@ -688,7 +746,7 @@ def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     (1 - momentum) * g_new_mean, (1 - momentum) * g_new_var]``; (inference) the partials of
     ``(x - mean) * rsqrt(var + eps) * gamma + beta``."""
     x, gamma, beta, moving_mean, moving_var = orig_call.args
-    attrs, dtype = orig_call.attrs, _ty.dtype_of(x)
+    attrs = orig_call.attrs
     channel = int(attrs.axis) % _ty.ndim_of(x)
     grads = _tuple_field_grads(ctx, output_grad, 3)
     if attrs.training:
@@ -699,10 +757,8 @@ def batch_norm_grad(orig_var, orig_call, output_grad, ctx):
         partials[1] = None
     if not attrs.center:
         partials[2] = None
-    return [
-        no_grad(arg) if partial is None else _narrow(partial, dtype)
-        for arg, partial in zip(orig_call.args, partials)
-    ]
+    return [no_grad(arg) if partial is None else partial
+            for arg, partial in zip(orig_call.args, partials)]
 
 
 @register_gradient("relax.nn.prelu")

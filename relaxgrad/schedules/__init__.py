@@ -10,7 +10,8 @@ gradient that is zero but at a few rows of a sequence (a classifier's first toke
 convolutions into matmuls
 (:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
 into means of the gradient's form (:class:`ShareStatistics`) and means into sums that fuse with the
-products they reduce (:class:`MeanAsSum`), then legalize with each operator's legalization reused
+products they reduce (:class:`MeanAsSum`), float32 sums over rows accumulate in float64
+(:class:`WideColumnSums`), then legalize with each operator's legalization reused
 for calls of the same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers
 read twice are copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows
 may fuse with their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins
@@ -22,6 +23,7 @@ float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become polynomials LLVM vecto
 (:class:`FastMath`).
 """
 
+from .accumulate import WideColumnSums
 from .blas import MatmulToBLAS
 from .columns import ColumnLocal, FuseColumnSums
 from .conv import ConvToMatmul
@@ -74,6 +76,7 @@ __all__ = [
     "ScheduleGPU",
     "SerialVectorLoops",
     "TiledMatmul",
+    "WideColumnSums",
     "WindowScatter",
     "default_cpu_rules",
     "default_gpu_rules",

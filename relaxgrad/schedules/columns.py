@@ -93,8 +93,9 @@ class _Merger(PyExprMutator):
             return super().visit_var_binding_(binding)
         total, total_call = self.sums[binding.var]
         value = binding.value
-        merged = _merged(self.mod[value.op], total_call)
-        name = f"{value.op.name_hint}_{total_call.args[0].name_hint}"
+        merged = _merged(self.mod[value.op], total_call, self.mod)
+        summed = total_call.args[0] if _is_call_tir(total_call) else total_call.op
+        name = f"{value.op.name_hint}_{summed.name_hint}"
         args = [self.visit_expr(a) for a in value.args]
         call = relax.Call(self.builder_.add_func(merged, name), args)
         both = self.builder_.emit(call, f"{binding.var.name}_and_sum")
@@ -103,15 +104,15 @@ class _Merger(PyExprMutator):
         return None
 
     def _summed(self, value) -> relax.Var | None:
-        """``g`` of ``call_tir(sum, (g,))``, a sum of ``g`` over its leading axes."""
-        if not _is_call_tir(value):
+        """``g`` of ``call_tir(sum, (g,))``, a sum of ``g`` over its leading axes, or of a call
+        of a fused function that casts ``g`` and sums the cast (a float32 sum accumulated in
+        float64, :class:`~relaxgrad.schedules.WideColumnSums`)."""
+        chain = _column_sum_chain(self.mod, value)
+        if chain is None:
             return None
-        args = value.args[1]
-        if not isinstance(args, relax.Tuple) or len(args.fields) != 1:
-            return None
-        g, func = args.fields[0], self.mod[value.args[0]]
+        g, func = chain
         shape = static_shape(g)
-        if not isinstance(g, relax.Var) or shape is None or not isinstance(func, tirx.PrimFunc):
+        if not isinstance(g, relax.Var) or shape is None:
             return None
         kept = _column_sum(func, len(shape))
         if kept is None or math.prod(shape[: len(shape) - kept]) < self.min_rows:
@@ -139,17 +140,63 @@ class _Merger(PyExprMutator):
         )
 
 
-def _merged(producer: relax.Function, total: relax.Call) -> relax.Function:
-    """``producer`` (a fused function) returning ``(g, total(g))`` instead of ``g``."""
+def _merged(producer: relax.Function, total: relax.Call, mod: IRModule) -> relax.Function:
+    """``producer`` (a fused function) returning ``(g, total(g))`` instead of ``g``; ``total``
+    a ``call_tir`` of ``g`` or a call of a fused function of ``g`` (its bindings are copied)."""
     func = relax.utils.copy_with_new_vars(producer)
     *blocks, last = func.body.blocks
     g = func.body.body
-    summed = relax.Var("sum", total.ty)
-    value = relax.Call(total.op, [total.args[0], relax.Tuple([g])], total.attrs, total.ty_args)
-    block = relax.DataflowBlock([*last.bindings, relax.VarBinding(summed, value)])
-    body = relax.SeqExpr([*blocks, block], relax.Tuple([g, summed]))
-    ret = relax.TupleType([g.ty, summed.ty])
+    if _is_call_tir(total):
+        steps = [(total, total.ty)]
+    else:
+        callee = relax.utils.copy_with_new_vars(mod[total.op])
+        bindings = callee.body.blocks[0].bindings
+        steps = [(b.value, b.var.ty) for b in bindings]
+    bindings, current = list(last.bindings), g
+    for call, ty in steps:
+        var = relax.Var("sum", ty)
+        value = relax.Call(call.op, [call.args[0], relax.Tuple([current])], call.attrs,
+                           call.ty_args)  # fmt: skip
+        bindings.append(relax.VarBinding(var, value))
+        current = var
+    block = relax.DataflowBlock(bindings)
+    body = relax.SeqExpr([*blocks, block], relax.Tuple([g, current]))
+    ret = relax.TupleType([g.ty, current.ty])
     return relax.Function(func.params, body, ret, func.is_pure, func.attrs)
+
+
+def _column_sum_chain(mod: IRModule, value) -> tuple | None:
+    """``(g, the column sum's PrimFunc)`` of ``call_tir(sum, (g,))``, or of a call of a fused
+    function ``(g) -> sum(cast(g))``: elementwise single-operand kernels, then the sum."""
+    if _is_call_tir(value):
+        args = value.args[1]
+        if not isinstance(args, relax.Tuple) or len(args.fields) != 1:
+            return None
+        func = mod[value.args[0]]
+        return (args.fields[0], func) if isinstance(func, tirx.PrimFunc) else None
+    if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.GlobalVar):
+        return None
+    callee = mod[value.op]
+    if not isinstance(callee, relax.Function) or len(callee.params) != 1 or len(value.args) != 1:
+        return None
+    body = callee.body
+    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
+        return None
+    bindings, current = body.blocks[0].bindings, callee.params[0]
+    for binding in bindings:
+        call = binding.value
+        if not _is_call_tir(call) or not isinstance(call.args[1], relax.Tuple):
+            return None
+        if len(call.args[1].fields) != 1 or not call.args[1].fields[0].same_as(current):
+            return None
+        current = binding.var
+    if not body.body.same_as(current) or not bindings:
+        return None
+    *casts, last = bindings
+    if any(_pattern(mod[b.value.args[0]]) > INJECTIVE for b in casts):
+        return None
+    func = mod[last.value.args[0]]
+    return (value.args[0], func) if isinstance(func, tirx.PrimFunc) else None
 
 
 def _is_call_tir(value) -> bool:

@@ -6,16 +6,16 @@ A training step of a CNN reads each batch-norm input for its statistics several 
 ``batch_norm`` kernel computes the mean and the variance (two passes) before normalizing; an
 importer's saved statistics (``from_torch`` returns the batch mean and variance, which the
 running statistics update reads) compute them again with ``mean`` and ``variance``; the
-gradient (relaxgrad's rule) recomputes them as ``mean(x, keepdims=True)`` and
-``mean(c * c, keepdims=True)`` with ``c = x - mean``. Written alike, they are one computation:
+gradient (relaxgrad's rule) recomputes them with :func:`relaxgrad.ops.nn.batch_statistics`:
+``m = mean(x, keepdims=True)`` and ``v = mean(c * c, keepdims=True)`` with ``c = x - m``,
+accumulated in float64 as PyTorch's CPU kernel does. Written alike, they are one computation:
 
 - ``batch_norm(x, gamma, beta, mean, var)`` in training mode, float32 of static shape, becomes
-  ``c * rsqrt(v + eps) * gamma + beta`` with ``c = x - m``, ``m = mean(x, axes, keepdims=True)``,
-  ``v = mean(c * c, axes, keepdims=True)``, and the new running statistics
-  ``(1 - momentum) * mean + momentum * m`` (and the same for ``v``), as TVM's kernel computes
-  them;
-- ``variance(x, axes)`` becomes ``mean(c * c, axes, keepdims=True)`` (reshaped where the axes
-  are not kept), the form of TVM's kernel (the biased variance).
+  ``(x - m) * rsqrt(v + eps) * gamma + beta`` (``x - m`` and ``rsqrt`` in float32, per
+  element), and the new running statistics ``(1 - momentum) * mean + momentum * m`` (and the
+  same for ``v``), as TVM's kernel computes them;
+- ``variance(x, axes)`` becomes ``v`` (reshaped where the axes are not kept), the form of TVM's
+  kernel (the biased variance).
 
 On ResNet-50's training step (batch 8) each batch norm then reads its input for statistics once
 in the forward; the gradient's normalized input is the forward's.
@@ -29,6 +29,7 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
+from ..ops.nn import batch_statistics
 from ._common import is_op, may_change, rewrite_functions, static_shape
 
 
@@ -64,13 +65,9 @@ class _Rewriter(PyExprMutator):
         return call
 
     def _statistics(self, x: relax.Expr, axes: list[int]) -> tuple:
-        """``(m, c, v)``: the mean of ``x`` over ``axes`` (kept), ``x - m``, and the mean of
-        ``c * c``, each bound to a var."""
-        emit = self.builder_.emit
-        m = emit(relax.op.mean(x, axes, keepdims=True))
-        c = emit(relax.op.subtract(x, m))
-        v = emit(relax.op.mean(emit(relax.op.multiply(c, c)), axes, keepdims=True))
-        return m, c, v
+        """``(m, c, v)`` of :func:`relaxgrad.ops.nn.batch_statistics` (float64), each bound to a
+        var."""
+        return tuple(self.builder_.emit(value) for value in batch_statistics(x, axes))
 
     def _variance(self, call: relax.Call) -> relax.Expr:
         (x,) = call.args
@@ -78,6 +75,7 @@ class _Rewriter(PyExprMutator):
         axes = call.attrs.axis
         axes = list(range(len(shape))) if axes is None else [int(a) % len(shape) for a in axes]
         _, _, v = self._statistics(x, sorted(set(axes)))
+        v = self.builder_.emit(relax.op.astype(v, "float32"))
         if call.attrs.keepdims:
             return v
         return relax.op.reshape(v, static_shape(call))
@@ -88,9 +86,12 @@ class _Rewriter(PyExprMutator):
         channel = int(attrs.axis) % len(shape)
         axes = [a for a in range(len(shape)) if a != channel]
         emit = self.builder_.emit
-        m, c, v = self._statistics(x, axes)
-        eps = relax.const(float(attrs.epsilon), "float32")
-        out = emit(relax.op.multiply(c, emit(relax.op.rsqrt(emit(relax.op.add(v, eps))))))
+        m, _, v = self._statistics(x, axes)
+        # as the gradient writes them: (x - m) and rstd per element in float32
+        eps = relax.const(float(attrs.epsilon), "float64")
+        rstd = emit(relax.op.astype(emit(relax.op.rsqrt(emit(relax.op.add(v, eps)))), "float32"))
+        centered = emit(relax.op.subtract(x, emit(relax.op.astype(m, "float32"))))
+        out = emit(relax.op.multiply(centered, rstd))
         per_channel = [1] * len(shape)
         per_channel[channel] = shape[channel]
         if attrs.scale:
@@ -101,7 +102,7 @@ class _Rewriter(PyExprMutator):
         keep, step = relax.const(1.0 - momentum, "float32"), relax.const(momentum, "float32")
         running = []
         for old, new in ((moving_mean, m), (moving_var, v)):
-            batch = emit(relax.op.reshape(new, [shape[channel]]))
+            batch = emit(relax.op.astype(emit(relax.op.reshape(new, [shape[channel]])), "float32"))
             running.append(relax.op.add(relax.op.multiply(keep, old),
                                         relax.op.multiply(step, batch)))  # fmt: skip
         return relax.Tuple([out, *(emit(value) for value in running)])

@@ -59,6 +59,7 @@ from .. import _ty
 from .._module import with_function
 from ..exprs import is_op
 from ..ops import random
+from ..ops.nn import batch_statistics
 from ..transforms import stop_gradient
 from .models import Model
 
@@ -397,10 +398,11 @@ def _batch_norm_train(node, importer) -> relax.Expr:
     out = bb.emit(relax.TupleGetItem(normalized, 0))
     axes = [0, *range(2, len(shape))]
     count = int(np.prod([shape[a] for a in axes]))
-    # (the mean with its axes kept, as batch_norm's gradient computes it: one computation
-    # after relaxgrad.compile's ShareStatistics and common subexpressions)
-    mean = bb.emit(op.reshape(op.mean(x, axes, keepdims=True), [shape[1]]))
-    var = bb.emit(op.variance(x, axes))
+    # (the statistics as batch_norm's gradient computes them: one computation after
+    # relaxgrad.compile's ShareStatistics and common subexpressions)
+    batch_mean, _, batch_var = batch_statistics(x, axes)
+    mean, var = (bb.emit(op.astype(op.reshape(s, [shape[1]]), dtype))
+                 for s in (batch_mean, batch_var))
     rstd = bb.emit(op.rsqrt(var + relax.const(eps, dtype)))
     if not training:
         return bb.emit(relax.Tuple([out, mean, rstd, running_mean, running_var]))

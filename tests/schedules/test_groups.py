@@ -82,11 +82,13 @@ def _torch_layer_norm(x, gamma, beta, w):
 @pytest.mark.parametrize("rows", [(2, 64), (127,)], ids=["128-rows", "127-rows"])
 def test_layer_norm_gradient_is_one_kernel_matching_pytorch(rows):
     """The mean's and the variance's row sums, the input's gradient and gamma's and beta's sums
-    over the rows: one RowColumnLocal kernel."""
+    over the rows: one RowColumnLocal kernel (the two sums, accumulated in float64, are cast
+    back to float32 after it)."""
     arrays, grads, choices = _layer_norm_gradients(rows, "float32")
     grouped = [name for name, rule in choices.items() if name.startswith("fused_rows")]
     assert [choices[name] for name in grouped] == ["RowColumnLocal"]
-    assert _gradient_kernels(rows, "float32") == ["fused_rows"]  # dx, dgamma and dbeta
+    # dx, dgamma and dbeta, then the casts of the two sums
+    assert _gradient_kernels(rows, "float32") == ["fused_rows", "cast1", "cast1"]
     wants = _torch_grads(_torch_layer_norm, [a.astype("float64") for a in arrays])
     for got, want in zip(grads, wants):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
