@@ -124,3 +124,20 @@ def strided_slice_grad(orig_var, orig_call, output_grad, ctx):
             grad_dims[axis] = read[-1] - read[0] + 1
         widths[2 * axis], widths[2 * axis + 1] = read[0], dims[axis] - 1 - read[-1]
     return [pad(grad, widths) if any(widths) else grad, *no_grads]
+
+
+@register_gradient("relax.slice_scatter")
+def slice_scatter_grad(orig_var, orig_call, output_grad, ctx):
+    """Forward: ``y = x`` with ``y[start:end:step] = src`` on ``axis`` (PyTorch's in-place ops
+    on a slice, functionalized); backward: ``[slice_scatter(g, zeros like src),
+    g[start:end:step], no_grad...]``."""
+    x, src, start, end, step = orig_call.args
+    axis = int(orig_call.attrs.axis) % _ty.ndim_of(x)
+    bounds = [int(v) if isinstance(v, tirx.IntImm) else v for v in (start, end, step)]
+    if not all(isinstance(v, int) for v in bounds):
+        raise GradientError("Gradient: relax.slice_scatter needs a static start, end and step")
+    begin, stop, stride = bounds
+    untouched = relax.op.slice_scatter(output_grad, zeros(_ty.shape_of(src), _ty.dtype_of(src)),
+                                       begin, stop, stride, axis=axis)  # fmt: skip
+    written = strided_slice(output_grad, [axis], [begin], [stop], [stride])
+    return [untouched, written, *(no_grad(arg) for arg in orig_call.args[2:])]

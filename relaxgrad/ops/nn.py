@@ -473,7 +473,7 @@ avg_pool2d_grad = _pool2d("relax.nn.avg_pool2d", avg_pool2d_backward)
 #: float64: its projections cancel (over 2 elements, ``g`` lies in the span of 1 and ``xhat``,
 #: and only eps's share of it is left: a batch norm over a batch of 2, LeViT's classifier), and
 #: so few are cheap.
-FEW_ELEMENTS = 16
+FEW_ELEMENTS = 4
 
 
 def _compute_dtype(dtype: str, elements=None) -> str:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import warnings
 from collections.abc import Sequence
 from typing import Literal
@@ -426,6 +427,97 @@ def _cat(node, importer) -> relax.Expr:
     return importer.block_builder.emit(op.concat(relax.Tuple(kept), axis=dim))
 
 
+def _divide(node, importer) -> relax.Expr:
+    """``div(a, b)`` (true division) in the dtype PyTorch gives it: a float of integer operands
+    (TVM's converter keeps int64, and DeBERTa-v2's log-bucketed relative positions then took
+    the ``log`` of an int64 tensor)."""
+    lhs, rhs = importer.retrieve_args(node)[:2]
+    dtype = _result_dtype(node, importer)
+    if dtype is None or not _ty.is_float_dtype(dtype):
+        return importer._binary_op(op.divide, operator.truediv)(node)
+    bb = importer.block_builder
+
+    def operand(value):
+        if isinstance(value, relax.Expr):
+            return value if _ty.dtype_of(value) == dtype else bb.emit(op.astype(value, dtype))
+        return relax.const(value, dtype)
+
+    return bb.emit(op.divide(operand(lhs), operand(rhs)))
+
+
+def _result_dtype(node, importer) -> str | None:
+    """The dtype of ``node``'s result, as torch.export recorded it (None if it did not)."""
+    value = node.meta.get("val")
+    dtype = getattr(value, "dtype", None)
+    return None if dtype is None else importer._convert_data_type(str(dtype), importer.env)
+
+
+def _index(node, importer) -> relax.Expr:
+    """``index(x, indices)``, PyTorch's advanced indexing: the index tensors (``None`` for a
+    whole axis) broadcast together and pick elements jointly; their shape replaces the indexed
+    axes where those are adjacent, and comes first otherwise. Written as one ``take`` of the
+    indexed axes flattened, at the row ``sum(index_k * stride_k)`` (TVM's converter does not
+    broadcast index shapes: ConvBERT's span convolution and its attention mask)."""
+    bb = importer.block_builder
+    x, indices = importer.retrieve_args(node)[:2]
+    dims = _ty.static_shape(x)
+    axes = [a for a, index in enumerate(indices) if index is not None]
+    if dims is None or not axes:
+        return importer._index_tensor(node)
+    tensors = [indices[a] for a in axes]
+    if any(_ty.dtype_of(t) == "bool" for t in tensors):
+        return importer._index_tensor(node)  # a mask: its result's shape is data-dependent
+    shape = list(np.broadcast_shapes(*(tuple(_ty.static_shape(t)) for t in tensors)))
+    rest = [a for a in range(len(dims)) if a not in axes]
+    # x with the indexed axes first, flattened into one
+    moved = bb.emit(op.permute_dims(x, axes + rest)) if axes + rest != list(range(len(dims))) \
+        else x
+    rows = int(np.prod([dims[a] for a in axes]))
+    flat = bb.emit(op.reshape(moved, [rows, *(dims[a] for a in rest)]))
+    row = None
+    stride = rows
+    for a, index in zip(axes, tensors):
+        stride //= dims[a]
+        index = bb.emit(op.astype(index, "int64"))
+        wrapped = bb.emit(op.floor_mod(index, relax.const(dims[a], "int64")))  # x[-1]
+        term = bb.emit(op.broadcast_to(wrapped, shape))
+        if stride != 1:
+            term = bb.emit(op.multiply(term, relax.const(stride, "int64")))
+        row = term if row is None else bb.emit(op.add(row, term))
+    picked = bb.emit(op.take(flat, bb.emit(op.reshape(row, [-1])), axis=0))
+    out = bb.emit(op.reshape(picked, [*shape, *(dims[a] for a in rest)]))
+    adjacent = axes == list(range(axes[0], axes[-1] + 1))
+    before = len([a for a in rest if a < axes[0]]) if adjacent else 0
+    if before:  # the index shape in place of the indexed axes
+        n = len(shape)
+        order = [*range(n, n + before), *range(n), *range(n + before, n + len(rest))]
+        out = bb.emit(op.permute_dims(out, order))
+    return out
+
+
+def _arange(node, importer) -> relax.Expr:
+    """``arange(start, end, step)`` of static bounds: PyTorch's values, as a constant (TVM's
+    converter counts ``ceil((end - start) / step)`` wrong for a negative step: 18 values for
+    ``arange(8, -8, -1)``, Funnel's relative positions)."""
+    import torch
+
+    bounds = [*node.args]
+    if not all(isinstance(b, int | float) for b in bounds):
+        return importer._arange(node)
+    dtype = node.kwargs.get("dtype")
+    values = torch.arange(*bounds, **({} if dtype is None else {"dtype": dtype}))
+    return relax.const(values.numpy(), str(values.numpy().dtype))
+
+
+def _relu(node, importer) -> relax.Expr:
+    """``relu(x)`` as ``where(x <= 0, 0, x)``: PyTorch's gradient at 0 (zero; TVM's ``relu``
+    gradient passes ``g`` there: Swinv2's position-bias MLP, fed a (0, 0) offset with a zero bias,
+    got a bias gradient 10^5 times PyTorch's error), and a NaN stays a NaN."""
+    bb, x = importer.block_builder, importer.env[node.args[0]]
+    zero = relax.const(0, _ty.dtype_of(x))
+    return bb.emit(op.where(bb.emit(op.less_equal(x, zero)), zero, x))
+
+
 def _cumsum(node, importer) -> relax.Expr:
     """``cumsum(x, dim, dtype=None)``: as in PyTorch, the sum of a bool or integer tensor is
     int64 (TVM's converter keeps bool, which LLVM cannot add: Hugging Face's masks)."""
@@ -485,10 +577,15 @@ class _WrapTakes(PyExprMutator):
 
 _CONVERTERS = {
     "_native_batch_norm_legit_functional.default": _batch_norm_train,
+    "arange.start_step": _arange,
     "cat.default": _cat,
     "concat.default": _cat,
     "cumsum.default": _cumsum,
+    "div.Scalar": _divide,
+    "div.Tensor": _divide,
     "embedding.default": _embedding,
+    "index.Tensor": _index,
+    "relu.default": _relu,
 }
 
 

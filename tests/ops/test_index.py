@@ -41,6 +41,9 @@ def _ss(axes, begin, end, strides=None):
 
 CASES += [
     Case("strided_slice", _ss([1], [1], [3]), [(3, 4)]),
+    Case("slice_scatter", lambda x, s: op.slice_scatter(x, s, 1, 4, 1, axis=1), [(3, 5), (3, 3)]),
+    Case("slice_scatter_step", lambda x, s: op.slice_scatter(x, s, 0, 6, 2, axis=0),
+         [(6, 2), (3, 2)]),
     Case("strided_slice_two_axes", _ss([0, 2], [1, 0], [3, 2]), [(3, 2, 4)]),
     Case("strided_slice_negative_axis_begin", _ss([-1], [-3], [4]), [(2, 5)]),
     Case("strided_slice_end_past_dim", _ss([0], [1], [100]), [(4, 3)]),

@@ -273,3 +273,101 @@ def test_negative_indices_count_from_the_end_and_compile_quietly(capfd):
     np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
     for name, param in net.named_parameters():
         np.testing.assert_allclose(grads[name], param.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+class Indexing(nn.Module):
+    """``x[index]`` in one of PyTorch's advanced-indexing forms, then a linear layer."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.pick = pick
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(self.pick(x).reshape(len(x), -1, 4).mean(dim=1))
+
+
+_INDEXINGS = {  # x of shape (8, 6, 5, 4)
+    # index shapes (6, 1) and (3,) broadcast to (6, 3): ConvBERT's span convolution's unfold
+    "broadcast": lambda x: x[:, torch.arange(6)[:, None], torch.tensor([0, 2, 4])],
+    "negative": lambda x: x[:, torch.tensor([-1, 0, -2])],
+    "separated": lambda x: x[torch.arange(8), :, torch.tensor([1]), :],  # the index dims first
+    "all": lambda x: x[torch.arange(8)[:, None, None], torch.arange(6)[None, :, None],
+                       torch.tensor([[[4, 3, 2, 1]]])],
+}
+
+
+@pytest.mark.parametrize("name", list(_INDEXINGS))
+def test_advanced_indexing_follows_torch(name):
+    torch.manual_seed(0)
+    net = Indexing(_INDEXINGS[name])
+    x = torch.randn(8, 6, 5, 4)
+    trainer = Trainer.for_model(from_torch(net, (x,)), CrossEntropyLoss(), SGD(0.1))
+    y = np.arange(8) % 5
+    loss, grads = trainer.gradients(x.numpy(), y)
+    x64 = x.double().requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(net.double()(x64), torch.from_numpy(y))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for key, param in net.named_parameters():
+        np.testing.assert_allclose(grads[key], param.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+class IntegerDivision(nn.Module):
+    """``log(positions / 2)`` of an int64 tensor (true division: floats, as DeBERTa-v2's
+    log-bucketed relative positions), scaling a linear layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        positions = torch.arange(1, 5)
+        return self.head(x * torch.log(positions / 2 + 1))
+
+
+def test_integer_true_division_is_a_float():
+    torch.manual_seed(0)
+    net, x = IntegerDivision(), torch.randn(8, 4)
+    trainer = Trainer.for_model(from_torch(net, (x,)), CrossEntropyLoss(), SGD(0.1))
+    with torch.no_grad():
+        expected = net(x).numpy()
+    np.testing.assert_allclose(trainer.predict(x.numpy()), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_relu_gradient_at_zero_is_pytorchs():
+    """A ReLU fed exact zeros (a zero bias on a zero input row, as Swinv2's position-bias MLP):
+    PyTorch's gradient there is 0 (TVM's ``relu`` rule would pass ``g``), and a NaN stays NaN."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 3))
+    nn.init.zeros_(net[0].bias)
+    x = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
+    y = np.array([0, 1])
+    trainer = Trainer.for_model(from_torch(net, (x,)), CrossEntropyLoss(), SGD(0.1))
+    _, grads = trainer.gradients(x.numpy(), y)
+    torch.nn.functional.cross_entropy(net(x), torch.from_numpy(y)).backward()
+    for key, param in net.named_parameters():
+        np.testing.assert_allclose(grads[key], param.grad.numpy(), rtol=1e-5, atol=1e-7)
+    nan = np.array([[np.nan, 0.0], [1.0, -1.0]], "float32")
+    assert np.isnan(trainer.predict(nan)[0]).all()
+
+
+class Countdown(nn.Module):
+    """``x + arange(8, -8, -1) * w``: a negative step (Funnel's relative positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(x + torch.arange(8, -8, -1) * self.w)
+
+
+def test_arange_with_a_negative_step_has_torchs_length():
+    torch.manual_seed(0)
+    net, x = Countdown(), torch.randn(8, 16)
+    trainer = Trainer.for_model(from_torch(net, (x,)), CrossEntropyLoss(), SGD(0.1))
+    with torch.no_grad():
+        expected = net(x).numpy()
+    np.testing.assert_allclose(trainer.predict(x.numpy()), expected, rtol=1e-5, atol=1e-5)
