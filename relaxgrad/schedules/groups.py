@@ -51,6 +51,8 @@ from .rows import (
 
 _MAX_MEMBERS = 8  # kernels in one group
 _WINDOW = 24  # bindings after a group's first kernel that may join it
+_MAX_BUFFERS = 32  # a kernel with more (MobileViT's unfold: a concatenation of 250 slices)
+# joins no group: trying to schedule each merge with it took 4.5 s, and none scheduled
 
 
 class RowColumnLocal(ScheduleRule):
@@ -498,8 +500,9 @@ def _parts(items: dict, bindings, index: int) -> list[int]:
 
 
 def _plain(func) -> bool:
-    """A PrimFunc of blocks with iterators only (no opaque block, e.g. an extern call's)."""
-    if not isinstance(func, tirx.PrimFunc):
+    """A PrimFunc of blocks with iterators only (no opaque block, e.g. an extern call's), and
+    at most :data:`_MAX_BUFFERS` buffers."""
+    if not isinstance(func, tirx.PrimFunc) or len(func.params) > _MAX_BUFFERS:
         return False
     blocks = sblocks(func)
     return bool(blocks) and all(len(b.iter_vars) > 0 for b in blocks)
