@@ -21,14 +21,37 @@ class Logits(torch.nn.Module):
         return logits.reshape(-1, logits.shape[-1]) if self.flat else logits
 
 
-def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None):
+def cpu_model() -> str:
+    """This CPU's model name and its bf16 features (``/proc/cpuinfo``), for every bench's
+    header: figures differ between machines."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    bf16 = sorted({"avx512_bf16", "amx_bf16", "avx512_fp16"} & flags)
+    return f"{name} ({', '.join(bf16) if bf16 else 'no bf16 instructions'})"
+
+
+def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None,
+                    autocast: torch.dtype | None = None):
     """One PyTorch training step of ``net`` on ``(x, target)`` as a function returning the loss:
-    cross-entropy, backward and Adam (lr 1e-3) over ``parameters`` (default: ``net``'s)."""
+    cross-entropy, backward and Adam (lr 1e-3) over ``parameters`` (default: ``net``'s); the
+    forward under ``torch.autocast("cpu", autocast)`` when given."""
     optimizer = torch.optim.Adam(net.parameters() if parameters is None else parameters, lr=1e-3)
 
     def step() -> float:
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(net(x), target)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = net(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), target)
         loss.backward()
         optimizer.step()
         return float(loss.detach())

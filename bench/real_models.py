@@ -55,8 +55,15 @@ import or differentiate, a crash) shows ``failed`` and the last line of its erro
 run again for that model. ``--small`` builds tiny configs (2 layers, hidden 128, 32 tokens,
 32x32 images, a 1000-word vocabulary) to try the bench in a minute.
 
+``--precision bf16`` trains in mixed precision: relaxgrad's ``Trainer(precision="bf16")``
+(products in bfloat16 through oneDNN, float32 master weights), and PyTorch's forward under
+``torch.autocast("cpu", dtype=torch.bfloat16)``, eager and compiled (what a PyTorch user adds
+for bf16 on a CPU). The header names the CPU and its bf16 instructions: figures differ between
+machines (an Intel Xeon with AMX runs bf16 products several times faster than float32; a CPU
+without bf16 instructions, not at all).
+
 Run ``python bench/real_models.py [--models bert resnet50 gpt2] [--runs 3] [--steps 5]
-[--small]``.
+[--precision fp32|bf16] [--small]``.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--small", action="store_true", help="tiny configs, to try the bench")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "FRAMEWORK"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -161,7 +169,8 @@ def torch_step(module, x, y, compiled: bool):
 
     module.train()
     net = torch.compile(module) if compiled else module
-    return torch_adam_step(net, x, torch.from_numpy(y), module.parameters())
+    autocast = torch.bfloat16 if ARGS.precision == "bf16" else None
+    return torch_adam_step(net, x, torch.from_numpy(y), module.parameters(), autocast)
 
 
 def relaxgrad_trainer(module, x):
@@ -169,7 +178,7 @@ def relaxgrad_trainer(module, x):
 
     model = from_torch(module, (x,))
     trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3), cache=False,
-                                progress=False)
+                                progress=False, precision=ARGS.precision)
     return trainer, x.numpy()
 
 
@@ -192,7 +201,12 @@ def kernels(framework: str) -> str:
     if framework == "relaxgrad":
         import ctypes
 
-        from relaxgrad.schedules import blas
+        from relaxgrad.schedules import blas, onednn
+
+        if ARGS.precision == "bf16":
+            if onednn.available() and onednn.bf16_kernel() == "onednn":
+                return "bf16 products in oneDNN"
+            return "bf16 products as OpenBLAS sgemm of the float32 conversions (no AMX)"
 
         if blas.SGEMM is None:
             return "TVM's own matmuls"
@@ -248,7 +262,8 @@ def child(name: str, framework: str) -> dict:
 
 def run_child(name: str, framework: str) -> dict:
     args = [sys.executable, __file__, "--child", name, framework, "--steps", str(ARGS.steps),
-            "--threads", str(ARGS.threads), "--batch", str(ARGS.batch)]
+            "--threads", str(ARGS.threads), "--batch", str(ARGS.batch),
+            "--precision", ARGS.precision]
     if ARGS.small:
         args.append("--small")
     with tempfile.TemporaryDirectory(prefix="real-models-") as cache:
@@ -371,7 +386,10 @@ def main() -> None:
         print(f"OPENBLAS_CORETYPE={pinned} pins OpenBLAS (relaxgrad's gemms) to that core's "
               f"kernels; run `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python "
               f"bench/real_models.py` to let it pick this CPU's own", flush=True)
-    print(f"threads: {ARGS.threads}, batch {ARGS.batch}, torch {torch.__version__}, "
+    from _common import cpu_model
+
+    print(f"{cpu_model()}; precision {ARGS.precision}; "
+          f"threads: {ARGS.threads}, batch {ARGS.batch}, torch {torch.__version__}, "
           f"{ARGS.runs} rounds x {ARGS.steps} timed steps{', small configs' if ARGS.small else ''}"
           f"; step: median of round medians (min-max); ratio: median of the rounds' ratios "
           f"(min-max)", flush=True)

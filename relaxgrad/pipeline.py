@@ -37,6 +37,7 @@ from ._stack import with_deep_stack
 from .cache import cached
 from .errors import GradientError
 from .schedules import (
+    Bf16MatmulToOneDNN,
     ConvToMatmul,
     DuplicateCheapProducers,
     FastMath,
@@ -62,6 +63,7 @@ from .schedules import (
     WindowScatter,
     blas,
     default_cpu_rules,
+    onednn,
 )
 from .schedules._common import is_gpu
 from .schedules.concat import legalize_concat
@@ -138,8 +140,10 @@ def compile(  # noqa: A001 (mirrors tvm.compile)
 def _load_cached(path: str) -> Executable:
     """An executable that :func:`relaxgrad.cache.cached` stored (``export_library``'s file)."""
     with open(path, "rb") as f:
-        calls_blas = blas.SGEMM is not None and blas.SGEMM.encode() in f.read()
-    return Executable(tvm.runtime.load_module(path), calls_blas, path)
+        data = f.read()
+    calls_blas = blas.SGEMM is not None and blas.SGEMM.encode() in data
+    calls_onednn = onednn.SYMBOL.encode() in data
+    return Executable(tvm.runtime.load_module(path), calls_blas, path, calls_onednn)
 
 
 def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
@@ -151,7 +155,8 @@ def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
             built = _build_cpu(mod, cpu_target(target), schedule)
         finally:
             forget_inlined()
-        return Executable(built.mod, blas.available(target) and blas.called_in(built.mod))
+        return Executable(built.mod, blas.available(target) and blas.called_in(built.mod),
+                          onednn_linked=onednn.available(target) and onednn.called_in(built.mod))
     return tvm.compile(mod, target)
 
 
@@ -184,11 +189,14 @@ class Executable(relax.VMExecutable):
         The VM executable's module.
     blas_linked : bool
         Whether the code calls OpenBLAS.
+    onednn_linked : bool
+        Whether the code calls oneDNN (:mod:`relaxgrad.schedules.onednn`).
     """
 
-    def __init__(self, mod: tvm.runtime.Module, blas_linked: bool, library: str | None = None):
+    def __init__(self, mod: tvm.runtime.Module, blas_linked: bool, library: str | None = None,
+                 onednn_linked: bool = False):
         super().__init__(mod)
-        self.blas_linked = blas_linked
+        self.blas_linked, self.onednn_linked = blas_linked, onednn_linked
         self.library = library  # the library it was loaded from (relaxgrad.cache)
 
     def export_library(self, file_name, **kwargs):
@@ -204,6 +212,8 @@ class Executable(relax.VMExecutable):
             return None
         if self.blas_linked:
             kwargs["options"] = [*kwargs.get("options", []), *blas.link_options()]
+        if self.onednn_linked:
+            kwargs["options"] = [*kwargs.get("options", []), *onednn.link_options()]
         return super().export_library(file_name, **kwargs)
 
 
@@ -304,7 +314,8 @@ def cpu_pipeline(
 ) -> tvm.transform.Pass:
     """The Relax pipeline for an ``llvm`` target: :class:`RowSparseGradients`,
     :class:`WindowScatter`, :class:`NllLossGradAsMask`, :class:`IntegerPowers`,
-    :class:`ConvToMatmul`, :class:`MatmulToBLAS`, :class:`ShareStatistics`, :class:`MeanAsSum`,
+    :class:`ConvToMatmul`, :class:`Bf16MatmulToOneDNN`, :class:`MatmulToBLAS`,
+    :class:`ShareStatistics`, :class:`MeanAsSum`,
     :class:`WideColumnSums` and ``EliminateCommonSubexpr`` (a batch norm's statistics in its
     forward and gradient, and a convolution's im2col in its forward and weight gradient:
     computed once) before legalization, then
@@ -339,7 +350,7 @@ def cpu_pipeline(
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
     before = [RowSparseGradients(), WindowScatter(), NllLossGradAsMask(), IntegerPowers(),
-              ConvToMatmul(summed),
+              ConvToMatmul(summed), Bf16MatmulToOneDNN(),
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(), WideColumnSums(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(

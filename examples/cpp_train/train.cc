@@ -8,8 +8,12 @@
 // written in relaxgrad's state format (TVM's parameter file plus a JSON entry), which
 // Trainer.load resumes from. A step is the two calls of the manifest's "functions":
 //   (out, grads) = loss_adjoint(*arguments, target)
-//   (params, optim) = optimizer(params, grads, optim)
-// CPU artifacts only (no buffers updated by the model).
+//   (params, optim, (norm,)) = optimizer(params, grads, optim, controls)
+// controls are the learning rate, the clipping norm and a gradient multiplier (0-d float32
+// tensors): the manifest's "controls" lr and max_norm (null: no clipping); artifacts with a
+// learning-rate schedule or a float16 loss scale are the Python runner's. A step whose loss or gradient norm is not finite
+// stops the program, the state file untouched. CPU artifacts only (no buffers updated by the
+// model), float32 parameters.
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
@@ -18,6 +22,7 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/function.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -104,6 +109,19 @@ int main(int argc, char** argv) {
   for (const ffi::Any& name : param_names) params.push_back(state["param:" + Str(name)]);
   for (const ffi::Any& name : optim_names) optim.push_back(state[Str(name)]);
   int64_t batch = manifest["batch_size"].cast<int64_t>();
+  ffi::json::Object control = manifest["controls"].cast<ffi::json::Object>();
+  if (control["schedule"] != nullptr || control["loss_scale"].cast<bool>()) {
+    std::fprintf(stderr, "this example trains at a constant learning rate, without a schedule "
+                         "or a float16 loss scale\n");
+    return 2;
+  }
+  float max_norm = control["max_norm"] == nullptr ? INFINITY : control["max_norm"].cast<double>();
+  ffi::Array<Tensor> controls;
+  for (float value : {static_cast<float>(control["lr"].cast<double>()), max_norm, 1.0f}) {
+    Tensor scalar = Empty({}, DLDataType{kDLFloat, 32, 1});
+    *static_cast<float*>(scalar.data_ptr()) = value;
+    controls.push_back(scalar);
+  }
 
   for (int step = 0; step < steps; ++step) {
     std::vector<ffi::AnyView> args;
@@ -124,10 +142,17 @@ int main(int argc, char** argv) {
     loss_adjoint.CallPacked(args.data(), static_cast<int>(args.size()), &result);
     ffi::Array<ffi::Any> out = result.cast<ffi::Array<ffi::Any>>();
     Tensor loss = out[0].cast<Tensor>();
-    ffi::Array<ffi::Any> updated = optimizer(params, out[1], optim).cast<ffi::Array<ffi::Any>>();
+    ffi::Array<ffi::Any> updated =
+        optimizer(params, out[1], optim, controls).cast<ffi::Array<ffi::Any>>();
+    float value = *static_cast<float*>(loss.data_ptr());
+    Tensor norm = updated[2].cast<ffi::Array<Tensor>>()[0];
+    if (!std::isfinite(value) || !std::isfinite(*static_cast<float*>(norm.data_ptr()))) {
+      std::fprintf(stderr, "step %d: the loss or the gradients are not finite\n", step + 1);
+      return 3;
+    }
     params = updated[0].cast<ffi::Array<Tensor>>();
     optim = updated[1].cast<ffi::Array<Tensor>>();
-    std::printf("step %d: loss %.6f\n", step + 1, *static_cast<float*>(loss.data_ptr()));
+    std::printf("step %d: loss %.6f\n", step + 1, value);
   }
 
   // Write the state back: the same names, the step count in the JSON entry advanced.

@@ -5,7 +5,16 @@ from __future__ import annotations
 import string
 
 from tvm import relax
-from tvm.relax.op import broadcast_to, einsum, expand_dims, matmul, permute_dims, reshape, squeeze
+from tvm.relax.op import (
+    astype,
+    broadcast_to,
+    einsum,
+    expand_dims,
+    matmul,
+    permute_dims,
+    reshape,
+    squeeze,
+)
 
 from .. import _ty
 from ..errors import GradientError
@@ -17,26 +26,41 @@ def _swap_last_two(tensor, ndim: int):
     return permute_dims(tensor, [i if i < ndim - 2 else 2 * ndim - 3 - i for i in range(ndim)])
 
 
-def _matmul_partials(a, b, a_dim: int, b_dim: int, g):
-    """``(da, db)`` of ``c = a @ b`` before broadcast reduction; 1-D operands get promoted."""
+def _matmul_partials(a, b, a_dim: int, b_dim: int, g, out_dtype=None):
+    """``(da, db)`` of ``c = a @ b`` before broadcast reduction; 1-D operands get promoted.
+    ``out_dtype``: the products' result dtype (None: the operands')."""
+
+    def mm(x, y):
+        return matmul(x, y, out_dtype=out_dtype)
+
     if a_dim > 1 and b_dim > 1:
-        return matmul(g, _swap_last_two(b, b_dim)), matmul(_swap_last_two(a, a_dim), g)
+        return mm(g, _swap_last_two(b, b_dim)), mm(_swap_last_two(a, a_dim), g)
     if a_dim == 1 and b_dim > 1:
         g2 = expand_dims(g, -2)
-        return matmul(g2, _swap_last_two(b, b_dim)), matmul(expand_dims(a, 1), g2)
+        return mm(g2, _swap_last_two(b, b_dim)), mm(expand_dims(a, 1), g2)
     if b_dim == 1 and a_dim > 1:
         g2 = expand_dims(g, -1)
-        return matmul(g2, expand_dims(b, 0)), squeeze(matmul(_swap_last_two(a, a_dim), g2), [-1])
+        return mm(g2, expand_dims(b, 0)), squeeze(mm(_swap_last_two(a, a_dim), g2), [-1])
+    if out_dtype is not None:
+        g, a, b = astype(g, out_dtype), astype(a, out_dtype), astype(b, out_dtype)
     return g * b, g * a
 
 
 @register_gradient("relax.matmul")
 def matmul_grad(orig_var, orig_call, output_grad, ctx):
     """Forward: ``c = matmul(a, b)``; backward: ``[g @ b^T, a^T @ g]`` (last two axes swapped,
-    batch axes reduced)."""
+    batch axes reduced). A product whose ``out_dtype`` widens its result (mixed precision:
+    bfloat16 operands, a float32 result) has partials that read ``g`` in the operands' dtype
+    and accumulate and reduce in the wide one, then round to the operands' dtype."""
     a, b = orig_call.args
-    da, db = _matmul_partials(a, b, len(_ty.shape_values(a)), len(_ty.shape_values(b)), output_grad)
-    return [fit_shape(ctx, da, a), fit_shape(ctx, db, b)]
+    low, wide = _ty.dtype_of(a), _ty.dtype_of(output_grad)
+    g = output_grad if wide == low else astype(output_grad, low)
+    dims = len(_ty.shape_values(a)), len(_ty.shape_values(b))
+    da, db = _matmul_partials(a, b, *dims, g, None if wide == low else wide)
+    da, db = fit_shape(ctx, da, a), fit_shape(ctx, db, b)
+    if wide == low:
+        return [da, db]
+    return [astype(da, low), astype(db, _ty.dtype_of(b))]
 
 
 @register_gradient("relax.outer")

@@ -224,8 +224,10 @@ def _conv(op_name: str, nd: int, transposed: bool = False):
         x, w = orig_call.args
         attrs = orig_call.attrs
         out_dtype = attrs.out_dtype
-        if _ty.dtype_of(output_grad) != _ty.dtype_of(x):  # out_dtype widened the result
-            output_grad, out_dtype = astype(output_grad, _ty.dtype_of(x)), _ty.dtype_of(x)
+        low = _ty.dtype_of(x)
+        if _ty.dtype_of(output_grad) != low:  # out_dtype widened the result (mixed precision):
+            output_grad = astype(output_grad, low)  # the partials read g in x's dtype and
+            out_dtype = _ty.dtype_of(orig_var)  # accumulate in the wide one, then round
         x = relayout(x, attrs.data_layout, data_layout, op_name)
         w = relayout(w, attrs.kernel_layout, kernel_layout, op_name)
         g = relayout(output_grad, attrs.out_layout, data_layout, op_name)
@@ -236,6 +238,8 @@ def _conv(op_name: str, nd: int, transposed: bool = False):
         dx, dw = _conv_grads(x, w, g, conv, out_dtype, transposed, op_name)
         if nd == 1:
             dx, dw = squeeze(dx, [2]), squeeze(dw, [2])
+        if _ty.dtype_of(orig_var) != low:
+            dx, dw = astype(dx, low), astype(dw, _ty.dtype_of(orig_call.args[1]))
         return [
             relayout(dx, data_layout, attrs.data_layout, op_name),
             relayout(dw, kernel_layout, attrs.kernel_layout, op_name),

@@ -8,7 +8,8 @@ gradient that is zero but at a few rows of a sequence (a classifier's first toke
 (:class:`RowSparseGradients`), write an overlapping max pool's gradient as a scatter
 (:class:`WindowScatter`), small whole powers as products (:class:`IntegerPowers`) and rewrite
 convolutions into matmuls
-(:class:`ConvToMatmul`), large matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
+(:class:`ConvToMatmul`), bfloat16 matmuls into oneDNN calls (:class:`Bf16MatmulToOneDNN`), large
+float32 matmuls into OpenBLAS calls (:class:`MatmulToBLAS`), batch statistics
 into means of the gradient's form (:class:`ShareStatistics`) and means into sums that fuse with the
 products they reduce (:class:`MeanAsSum`), float32 sums over rows accumulate in float64
 (:class:`WideColumnSums`), then legalize with each operator's legalization reused
@@ -37,6 +38,7 @@ from .groups import FuseRowGroups, RowColumnLocal
 from .legalize import LegalizeOpsOnce
 from .losses import NllLossGradAsMask
 from .means import MeanAsSum
+from .onednn import Bf16MatmulToOneDNN
 from .powers import IntegerPowers
 from .reversed import KeepReversedReadsApart
 from .rows import FuseRowReductions, RowLocal
@@ -49,6 +51,7 @@ from .step import ScheduleCPU, ScheduleGPU, default_cpu_rules, default_gpu_rules
 from .views import ReshapeOutputs
 
 __all__ = [
+    "Bf16MatmulToOneDNN",
     "ColumnLocal",
     "ConvToMatmul",
     "DuplicateCheapProducers",

@@ -17,7 +17,11 @@ them, float32 only:
   (TVM's ``topi.fast_erf``) on ``x`` clamped to [-4, 4]: BERT-base's GELUs took 0.5 s of a
   4.5 s step (one thread) with libm's ``erff`` per element.
 
-Other dtypes are left to LLVM.
+Other dtypes are left to LLVM. A rewritten value stored as bfloat16 is bound to a variable
+first (``Bind(v, value)``, then ``store(Cast(v))``): TVM legalizes that store into integer code that
+reads its value twice, and a copy of the polynomials' ``Let`` bindings made ``VectorizeLoop``
+fail ("Let cannot bind the same var to two different values"): a mixed-precision MLP's ``tanh``
+then cast.
 
 - ``T.rsqrt(x)`` of any float dtype into ``1 / T.sqrt(x)``, what LLVM computes for it anyway:
   TVM's ``VectorizeLoop`` cannot vectorize ``rsqrt`` and scalarizes the whole loop (every
@@ -171,10 +175,20 @@ class FastMath:
                     return rule(call.args[0])
             return call
 
+        def bound_before_store(store: tirx.BufferStore):
+            value = store.value
+            if store.buffer.dtype != "bfloat16" or not isinstance(value, tirx.Cast):
+                return store
+            var = tirx.Var("v", str(value.value.ty))
+            cast = tirx.BufferStore(store.buffer, tirx.Cast("bfloat16", var), store.indices)
+            return tirx.SeqStmt([tirx.Bind(var, value.value), cast])
+
         updates = {}
         for gvar, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
                 body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite))
+                if not body.same_as(func.body):
+                    body = tvm_ffi.structural_map(body, (tirx.BufferStore, bound_before_store))
                 if not body.same_as(func.body):
                     updates[gvar] = func.with_body(body)
         return with_functions(mod, updates)

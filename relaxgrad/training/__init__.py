@@ -1,8 +1,10 @@
 """Training on relaxgrad's gradients: losses appended to model functions, optimizers whose step
 is compiled Relax code, a ``Trainer``, model builders, importers of PyTorch modules
 (:func:`from_torch`) and ``tvm.relax.frontend.nn`` modules (:func:`from_nn_module`), data
-parallel training over ``torch.distributed`` (:class:`DataParallel`), and the digits dataset."""
+parallel training over ``torch.distributed`` (:class:`DataParallel`), learning-rate
+:mod:`~relaxgrad.training.schedules`, and the digits dataset."""
 
+from . import schedules
 from .datasets import Split, load_digits, minibatches
 from .distributed import DataParallel, DistributedError
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
@@ -10,6 +12,7 @@ from .models import Model, cnn, mlp
 from .nn_module import from_nn_module
 from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
 from .pytorch import from_torch
+from .resilience import NonFiniteError
 from .trainer import Trainer, training_module
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "MSELoss",
     "Model",
     "MomentumSGD",
+    "NonFiniteError",
     "Optimizer",
     "Split",
     "Trainer",
@@ -33,5 +37,6 @@ __all__ = [
     "load_digits",
     "minibatches",
     "mlp",
+    "schedules",
     "training_module",
 ]

@@ -56,9 +56,7 @@ def accumulate_gradients(trainer, inputs, target, k: int):
     rows = sum(len(y) for _, y in parts)
     for micro_x, micro_y in parts:
         weight = len(micro_y) / rows
-        target_arg = trainer._to_device(micro_y, trainer._target, "target")
-        args = trainer._args(micro_x, train=True) + [target_arg]
-        out, grads = adjoint(*args)
+        out, grads = adjoint(*trainer.adjoint_args(micro_x, micro_y))
         if trainer.updates:  # out is (loss, *new buffer values)
             trainer._buffers.update(zip(trainer.updates, list(out)[1:]))
         first = out if isinstance(out, tvm.runtime.Tensor) else out[0]

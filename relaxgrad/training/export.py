@@ -3,26 +3,28 @@
 A folder holds the compiled library (``train.so``: the loss adjoint, the optimizer step, the
 model function and the per-sample loss), the parameters, buffers and optimizer state in
 :mod:`relaxgrad.training.state`'s format (``state.params``, the file ``Trainer.save`` writes and
-``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments
-with their names, shapes and dtypes, the loss target's, the state's array order, optimizer,
-loss and target), and ``runner.py`` with ``state.py``, a training loop that needs only numpy
-and TVM's runtime (:mod:`relaxgrad.training.runtime_runner`). A CPU library calling OpenBLAS
-gets the ``scipy-openblas32`` wheel's library beside it, which it finds by its run path
-``$ORIGIN``.
-"""
+``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments with
+their names, shapes and dtypes, the loss target's, the state's array order, optimizer, loss and
+target), and ``runner.py`` with ``state.py``, a training loop that needs only numpy and TVM's
+runtime (:mod:`relaxgrad.training.runtime_runner`), and ``schedules.py``, the learning-rate
+schedules it computes (a schedule that is a function of the user's is not exported: the runner
+then trains at the optimizer's learning rate, with a warning here). A CPU library calling
+OpenBLAS gets the ``scipy-openblas32`` wheel's library beside it, which it finds by its run path
+``$ORIGIN``, and one calling oneDNN (bfloat16 products) the ``onednn-cpu-gomp`` wheel's."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import warnings
 
 import tvm
 
 from .. import _ty
 from ..pipeline import Executable, resolve_target, target_device
-from ..schedules import blas
-from . import runtime_runner, state
+from ..schedules import blas, onednn
+from . import runtime_runner, schedules, state
 
 __all__ = ["LIBRARY", "STATE", "compile_device_code", "cuda_sources", "export_trainer"]
 
@@ -57,20 +59,32 @@ def export_trainer(trainer, folder, target=None) -> dict:
         executable = trainer.compile_for(target)
     library = os.path.join(folder, LIBRARY)
     executable.export_library(library, **_linker(target))
-    shipped = None
-    if isinstance(executable, Executable) and executable.blas_linked:
-        shipped = os.path.basename(blas.library_path())
-        shutil.copy2(blas.library_path(), os.path.join(folder, shipped))
+    shipped = _ship(folder, isinstance(executable, Executable) and executable.blas_linked,
+                    blas.library_path)
+    dnnl = _ship(folder, isinstance(executable, Executable) and executable.onednn_linked,
+                 onednn.library_path)
     arrays, meta = trainer.state_arrays()
     state.write_state(os.path.join(folder, STATE), arrays, meta)
     device_code = compile_device_code(executable, target, folder)
     shutil.copy2(runtime_runner.__file__, os.path.join(folder, "runner.py"))
     shutil.copy2(state.__file__, os.path.join(folder, "state.py"))
+    shutil.copy2(schedules.__file__, os.path.join(folder, "schedules.py"))
     manifest = _manifest(trainer, target, shipped)
+    manifest["onednn"] = dnnl
     manifest["device_code"] = device_code
     with open(os.path.join(folder, runtime_runner.MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def _ship(folder: str, linked: bool, library_path) -> str | None:
+    """Copy the library at ``library_path()`` into ``folder`` where the code links it; its name
+    (the exported library finds it there by its run path ``$ORIGIN``), else None."""
+    if not linked:
+        return None
+    name = os.path.basename(library_path())
+    shutil.copy2(library_path(), os.path.join(folder, name))
+    return name
 
 
 def cuda_sources(executable) -> list[str]:
@@ -142,7 +156,21 @@ def _manifest(trainer, target: tvm.target.Target, shipped: str | None) -> dict:
         "optim": trainer._optim_names(),
         "optimizer": repr(trainer.optimizer),
         "loss": f"{type(loss).__name__}(reduction={loss.reduction!r})",
+        "controls": _controls(trainer),
     }  # fmt: skip
+
+
+def _controls(trainer) -> dict:
+    """The manifest's ``controls``: the optimizer's learning rate, the Trainer's schedule
+    (:func:`schedules.spec`) and clipping norm, and their dtype."""
+    schedule = schedules.spec(trainer.schedule)
+    if trainer.schedule is not None and schedule is None:
+        warnings.warn(f"Trainer.export: the schedule {trainer.schedule!r} is a function, which "
+                      f"the artifacts cannot carry: the runner trains at the optimizer's "
+                      f"learning rate {trainer.optimizer.lr}", stacklevel=3)
+    return {"lr": trainer.optimizer.lr, "schedule": schedule,
+            "max_norm": trainer.max_grad_norm, "dtype": trainer.optimizer.dtype,
+            "loss_scale": trainer.loss_scale is not None}
 
 
 def _spec(var) -> dict:

@@ -104,15 +104,32 @@ class CrossEntropyLoss(Loss):
 
     Integer labels go through ``nll_loss(log_softmax(logits), labels)``; float targets through
     ``cross_entropy_with_logits(log_softmax(logits), targets)`` (mean over the batch).
+
+    Parameters
+    ----------
+    reduction : "mean", "sum" or "none"
+        As :class:`Loss`.
+    ignore_index : int
+        Labels equal to it add nothing to the loss nor to its gradient, and a mean is over the
+        other labels, as PyTorch's (-100 by default: Hugging Face's label for prompt tokens
+        and padding).
     """
 
     name = "cross_entropy_loss"
     classifies = True
 
+    def __init__(self, reduction: Reduction = "mean", ignore_index: int = -100):
+        super().__init__(reduction)
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ValueError(f"CrossEntropyLoss: ignore_index must be an int, not "
+                             f"{ignore_index!r}")
+        self.ignore_index = ignore_index
+
     def emit(self, bb, prediction, target):
         log_probs = bb.emit(op.nn.log_softmax(prediction))
         if not _ty.is_float_tensor(target):
-            return bb.emit(op.nn.nll_loss(log_probs, target, reduction=self.reduction))
+            return bb.emit(op.nn.nll_loss(log_probs, target, reduction=self.reduction,
+                                          ignore_index=self.ignore_index))
         if self.reduction == "mean":
             return bb.emit(op.nn.cross_entropy_with_logits(log_probs, target))
         return self._reduce(bb, bb.emit(-(log_probs * target)), batch_axis_only=True)

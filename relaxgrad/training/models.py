@@ -59,6 +59,9 @@ class Model:
         The parameter of the model function that takes the random key (a ``(2,)`` uint32
         tensor, see :mod:`relaxgrad.ops.random`), which the Trainer feeds a new value every
         step; the evaluation function has no such parameter.
+    precision : str, optional
+        ``"bf16"`` or ``"fp16"`` for a model imported from a module in that dtype (imported as
+        float32: the master weights), the Trainer's default ``precision``.
     """
 
     mod: tvm.IRModule
@@ -71,6 +74,7 @@ class Model:
     torch_state: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
     key: str | None = None
+    precision: str | None = None
 
     @property
     def batch_size(self) -> int | None:

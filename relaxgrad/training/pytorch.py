@@ -98,6 +98,11 @@ def from_torch(
     func_name : str
         Name of the train-mode function; the eval-mode one is ``<func_name>_eval``.
 
+    A module in bfloat16 or float16 (``module.to(torch.bfloat16)``) is imported from a float32
+    copy (its weights, exactly): the Model's ``precision`` is then ``"bf16"`` or ``"fp16"``,
+    which ``Trainer.for_model`` takes as its default, so the float32 weights are master
+    weights and the products run in the module's dtype.
+
     Returns
     -------
     Model
@@ -129,7 +134,7 @@ def from_torch(
     if dropout not in ("random", "identity", "error"):
         raise ValueError(
             f"from_torch: dropout must be 'random', 'identity' or 'error', not {dropout!r}")
-    example_inputs = tuple(example_inputs)
+    module, example_inputs, precision = _float32_copy(module, tuple(example_inputs))
     state = module.state_dict()
     param_keys = [name for name, _ in module.named_parameters()]
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
@@ -170,7 +175,28 @@ def from_torch(
         aliases={k: v for k, v in aliases.items() if k in state},
         torch_state=True,
         key=None if key is None else DROPOUT_KEY,
+        precision=precision,
     )
+
+
+def _float32_copy(module, inputs: tuple):
+    """``(module, inputs, None)``, or for a module in bfloat16 or float16 a float32 copy of it,
+    its inputs in float32 and its precision (``"bf16"`` or ``"fp16"``): the float32 weights
+    are the master weights the Trainer keeps, its products running in the module's dtype."""
+    import copy
+
+    import torch
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    low = {t.dtype for t in (*module.parameters(), *module.buffers()) if t.dtype in names}
+    if not low:
+        return module, inputs, None
+    if len(low) > 1:
+        raise ValueError("from_torch: the module holds both bfloat16 and float16 tensors; "
+                         "convert it to one dtype (module.to(torch.bfloat16))")
+    inputs = tuple(x.float() if isinstance(x, torch.Tensor) and x.dtype in low else x
+                   for x in inputs)  # fmt: skip
+    return copy.deepcopy(module).float(), inputs, names[low.pop()]
 
 
 def _tied_names(module) -> dict[str, str]:

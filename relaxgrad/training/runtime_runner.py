@@ -14,8 +14,17 @@ resumes from. In a program: ``Runner(folder)``, then ``step``, ``predict`` and `
 
 A training step is the two calls the manifest names under ``functions``::
 
-    out, grads = vm[loss_adjoint](*arguments, target)        # loss and gradients
-    params, optim = vm[optimizer](params, grads, optim)      # the optimizer's update
+    out, grads = vm[loss_adjoint](*arguments, target)                # loss and gradients
+    params, optim, (norm,) = vm[optimizer](params, grads, optim, controls)   # the update
+
+``controls`` are three 0-d tensors of the parameters' dtype: the learning rate (the manifest's
+``controls.lr`` times its ``schedule`` at the step count, see ``schedules.py``), the clipping
+norm (``controls.max_norm``, null for none: infinity) and a gradient multiplier; ``norm`` is
+the gradients' global norm before clipping. A step whose loss or norm is not finite is not
+applied: ``step`` raises ``FloatingPointError``. Artifacts of a ``precision="fp16"`` Trainer
+(whose state has a ``loss_scale``) pass the scale as the adjoint's last argument and its inverse
+as the multiplier, and scale dynamically as the Trainer does: a step whose gradients overflow
+(with a finite loss) is skipped and halves the scale, 2,000 finite steps double it.
 
 ``arguments`` are the model function's parameters in order (``manifest["arguments"]``: each an
 input, a parameter or a buffer); ``out`` is the loss, or ``(loss, *new buffer values)`` when
@@ -40,14 +49,17 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 try:  # inside relaxgrad
+    from .schedules import from_spec
     from .state import read_state, write_state
-except ImportError:  # the copy beside the artifacts, with state.py as its neighbour
+except ImportError:  # the copy beside the artifacts, with state.py and schedules.py beside it
+    from schedules import from_spec
     from state import read_state, write_state
 
 __all__ = ["CUDA_CODE", "MANIFEST", "Runner", "compile_cuda", "cuda_binary", "main",
            "register_cuda_compiler"]
 
 MANIFEST = "manifest.json"
+GROWTH_INTERVAL = 2000  # finite steps after which a float16 loss scale doubles (the Trainer's)
 CUDA_CODE = "cuda"
 """The artifacts' folder of compiled CUDA device code, one file per source (its digest)."""
 
@@ -100,17 +112,40 @@ class Runner:
         functions = self.manifest["functions"]
         arguments = self._arguments(inputs)
         target = self._checked(target, self.manifest["target_input"])
-        out, grads = self.vm[functions["loss_adjoint"]](*arguments, target)
-        new_params, new_state = self.vm[functions["optimizer"]](
-            self.params, grads, self.optim_state
+        scaler = self.meta.get("loss_scale")
+        seed = [] if scaler is None else [self._tensor(np.array(scaler["scale"], "float32"))]
+        out, grads = self.vm[functions["loss_adjoint"]](*arguments, target, *seed)
+        new_params, new_state, (norm,) = self.vm[functions["optimizer"]](
+            self.params, grads, self.optim_state, self.controls()
         )
-        self.params, self.optim_state = list(new_params), list(new_state)
         updates = self.manifest["updates"]
+        loss = float((out[0] if updates else out).numpy())
+        norm = float(norm.numpy())
+        if scaler is not None and np.isfinite(loss) and not np.isfinite(norm):  # overflow
+            scaler.update(scale=scaler["scale"] / 2, finite_steps=0)
+            return loss
+        if not (np.isfinite(loss) and np.isfinite(norm)):
+            raise FloatingPointError(f"Runner: step {self.steps + 1}: the loss is {loss} and "
+                                     f"the gradients' norm {norm}; the step was not applied")
+        self.params, self.optim_state = list(new_params), list(new_state)
         if updates:  # out is (loss, *new buffer values)
             self.buffers.update(zip(updates, list(out)[1:]))
-            out = out[0]
         self.steps += 1
-        return float(out.numpy())
+        if scaler is not None:
+            scaler["finite_steps"] += 1
+            if scaler["finite_steps"] == GROWTH_INTERVAL:
+                scaler.update(scale=scaler["scale"] * 2, finite_steps=0)
+        return loss
+
+    def controls(self) -> list:
+        """The optimizer's controls for the next step: ``(lr, max_norm, grad_scale)``."""
+        controls = self.manifest["controls"]
+        lr = controls["lr"] * from_spec(controls["schedule"])(self.steps)
+        max_norm = np.inf if controls["max_norm"] is None else controls["max_norm"]
+        scaler = self.meta.get("loss_scale")
+        unscale = 1.0 if scaler is None else 1.0 / scaler["scale"]
+        dtype = self.manifest["controls"]["dtype"]
+        return [self._tensor(np.array(v, dtype)) for v in (lr, max_norm, unscale)]
 
     def predict(self, inputs) -> np.ndarray:
         """The model's result on one batch (field 0 of a tuple result)."""

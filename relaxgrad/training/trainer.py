@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tvm
@@ -14,6 +16,7 @@ from .. import _ty, pipeline
 from .._module import with_function
 from ..ops import random
 from ..transforms import Gradient
+from ..transforms.mixed_precision import MixedPrecision
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
 from .distributed import data_parallel, rank_device
@@ -21,14 +24,19 @@ from .export import export_trainer
 from .losses import Loss, append_loss, prediction_type
 from .models import Model
 from .optimizers import Optimizer
-from .state import read_state, write_state
+from .resilience import NonFiniteError, Preemption, check_finite, checkpoints, rotate
+from .state import StateFileError, read_state, write_state
 
 __all__ = ["Trainer", "training_module"]
 
 PROGRESS_DELAY = 3.0
 """Seconds a compile runs before the Trainer shows its progress line."""
+INITIAL_LOSS_SCALE, GROWTH_INTERVAL = 2.0**16, 2000
+"""``precision="fp16"``'s dynamic loss scale: its start, and the finite steps after which it
+doubles (``torch.amp.GradScaler``'s defaults)."""
 
 Inputs = np.ndarray | Sequence[np.ndarray]
+_log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -37,7 +45,9 @@ class Trainer:
     At construction :func:`training_module` adds the loss, its adjoint, the optimizer step and
     per-sample losses to the model's module, which is compiled once (``self.mod``, ``self.vm``).
     Parameters and optimizer state then live on the device as tensors; a step is two calls of
-    compiled code: the adjoint, then the optimizer.
+    compiled code: the adjoint, then the optimizer, which also takes the step's learning rate
+    and clipping norm (run-time inputs: a schedule recompiles nothing) and reports the
+    gradients' global norm, from which the Trainer learns whether the step was finite.
 
     Parameters
     ----------
@@ -92,6 +102,34 @@ class Trainer:
         evaluation function must not take it (:meth:`predict` runs without dropout).
     seed : int
         The seed of the keys, in ``[0, 2**32)``.
+    schedule : callable, optional
+        The learning rate of step ``t`` (0 at the first update) is ``optimizer.lr *
+        schedule(t)``: :mod:`relaxgrad.training.schedules` (``constant``, ``linear``,
+        ``cosine``, with warmup) or any function of the step. The step count is saved in
+        checkpoints, so a resumed run goes on with its schedule.
+    max_grad_norm : float, optional
+        Clip the gradients to this global L2 norm before the update, as
+        ``torch.nn.utils.clip_grad_norm_`` (Hugging Face's Trainer uses 1.0); the norm before
+        clipping is ``grad_norm`` after each step. None: no clipping.
+    on_nonfinite : {"raise", "skip"}
+        A step whose loss or gradients' global norm is NaN or infinite is not applied
+        (parameters, optimizer state and buffers stay as before it); ``"raise"`` raises
+        :class:`~relaxgrad.training.NonFiniteError` naming the step, the batch of :meth:`fit`
+        and the parameters whose gradients are not finite, ``"skip"`` logs that and counts it
+        in ``skipped_steps`` (as ``torch.amp.GradScaler`` skips).
+    check_inputs : bool
+        Check every batch for NaN and infinity before any compute, naming the input that
+        holds one (a debug option: a pass over the batch on the host).
+    precision : {"fp32", "bf16", "fp16"}
+        ``"bf16"`` and ``"fp16"`` run the model's matrix products and convolutions, forward and
+        backward, in bfloat16 or float16 with float32 accumulation
+        (:class:`~relaxgrad.transforms.MixedPrecision`, as ``torch.autocast``); parameters,
+        gradients and optimizer state stay float32. ``"fp16"`` scales the loss dynamically as
+        ``torch.amp.GradScaler``: the backward pass is seeded with ``loss_scale`` (from
+        2^16), the compiled optimizer step unscales the gradients, a step whose gradients
+        overflow is skipped (counted in ``skipped_steps``) and halves the scale, and 2,000
+        finite steps in a row double it; the scale is saved in checkpoints. (A non-finite
+        loss is not an overflow of the scale: ``on_nonfinite`` decides.)
 
     Examples
     --------
@@ -122,11 +160,28 @@ class Trainer:
         distributed=False,
         key: str | None = None,
         seed: int = 0,
+        schedule: Callable[[int], float] | None = None,
+        max_grad_norm: float | None = None,
+        on_nonfinite: str = "raise",
+        check_inputs: bool = False,
+        precision: str = "fp32",
     ):
         buffers = dict(buffers or {})
+        model = _with_precision(model, precision, {func_name, eval_func or func_name})
+        self.precision = precision
+        self.loss_scale = INITIAL_LOSS_SCALE if precision == "fp16" else None
+        self._finite_steps = 0  # steps since the loss scale last changed
+        _check_controls(schedule, max_grad_norm, on_nonfinite)
+        self.schedule, self.max_grad_norm = schedule, max_grad_norm
+        self.on_nonfinite, self.check_inputs = on_nonfinite, bool(check_inputs)
+        self.skipped_steps = 0  # steps not applied for a non-finite loss or gradient
+        self.grad_norm: float | None = None  # the last step's global gradient norm
+        self._controls_cache: tuple = ((), [])
+        self._position: tuple[int, int] | None = None  # fit's (epoch, batch) while it steps
         _check_key(model, func_name, eval_func or func_name, key, seed)
         _check_updates(model, func_name, buffers, updates)
-        self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type)
+        self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type,
+                                   seed="param" if precision == "fp16" else "ones")
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
         self.eval_func = eval_func or func_name
         self.updates = tuple(updates)
@@ -193,6 +248,7 @@ class Trainer:
             Its :meth:`state_dict` has ``model.state_keys`` (torch tensors when
             ``model.torch_state``).
         """
+        kwargs.setdefault("precision", model.precision or "fp32")
         trainer = cls(model.mod, model.params, loss, optimizer, func_name=model.func_name,
                       buffers=model.buffers, updates=model.updates, eval_func=model.eval_func,
                       key=model.key, **kwargs)
@@ -235,7 +291,8 @@ class Trainer:
 
         Arrays: ``param:<name>``, ``buffer:<name>``, ``optim:step`` and
         ``optim:<slot>:<param name>`` (the optimizer's state tuple, in order); metadata:
-        ``format``, ``steps`` (optimizer steps taken), ``params``, ``buffers``, ``optim``
+        ``format``, ``steps`` (optimizer steps taken, which the schedule follows),
+        ``skipped_steps`` (not applied: non-finite), ``params``, ``buffers``, ``optim``
         (the array names of the optimizer state, in order), ``optimizer`` (its repr), ``seed``
         and ``key_counter`` (the next random key is ``(seed, key_counter)``) and, once
         :meth:`fit` has stepped, ``fit``: where it is (``epoch`` and ``batch``, the next batch
@@ -250,25 +307,56 @@ class Trainer:
         meta = {"format": 1, "steps": self.steps, "params": self.param_names,
                 "buffers": self.buffer_names, "optim": optim_names,
                 "optimizer": repr(self.optimizer), "seed": self.seed,
-                "key_counter": self.key_counter}
+                "key_counter": self.key_counter, "skipped_steps": self.skipped_steps}
+        if self.loss_scale is not None:
+            meta["loss_scale"] = {"scale": self.loss_scale, "finite_steps": self._finite_steps}
         if self._fit_state is not None:
             meta["fit"] = self._fit_state
         return arrays, meta
 
-    def save(self, path) -> None:
+    def save(self, path, keep: int = 1) -> None:
         """Write parameters, buffers, optimizer state and the position of :meth:`fit` to
         ``path`` atomically, in :mod:`relaxgrad.training.state`'s format (TVM's parameter
-        file). Data parallel, every rank calls it: rank 0 writes, then all wait for it."""
+        file). With ``keep > 1`` the previous files move to ``path.1``, ``path.2``, ... (newest
+        first, ``keep - 1`` of them) once the new one is complete on disk. Data parallel,
+        every rank calls it: rank 0 writes, then all wait for it."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Trainer.save: keep must be an int >= 1, not {keep!r}")
+        path = str(path)
         if self.dp is None or self.dp.rank == 0:
             arrays, meta = self.state_arrays()
-            write_state(path, arrays, meta)
+            write_state(path, arrays, meta,
+                        before_replace=(lambda: rotate(path, keep)) if keep > 1 else None)
         if self.dp is not None:
             self.dp.barrier()
 
-    def load(self, path) -> None:
+    def load(self, path, fallback: bool = False) -> str:
         """Restore what :meth:`save` wrote into this Trainer (built for the same model and
-        optimizer); raises ``ValueError`` naming what does not match. The next :meth:`fit`
-        resumes where the saved one was (data parallel: every rank reads ``path``)."""
+        optimizer); raises ``ValueError`` naming what does not match, and
+        :class:`~relaxgrad.training.state.StateFileError` naming the file when it is cut short,
+        corrupt or not a state file. With ``fallback``, a missing or unreadable ``path`` gives
+        way to the newest intact of ``path.1``, ``path.2``, ... (what ``save(keep=...)``
+        kept), with a warning naming what was passed over. The next :meth:`fit` resumes where
+        the saved one was (data parallel: every rank reads the file). Returns the file read."""
+        if not fallback:
+            self._load(path)
+            return str(path)
+        passed_over = []
+        for candidate in checkpoints(str(path)):
+            try:
+                self._load(candidate)
+            except StateFileError as err:
+                passed_over.append(str(err))
+                continue
+            if passed_over:
+                _log.warning("Trainer.load: passed over %s", "; ".join(passed_over))
+            return candidate
+        if not passed_over:
+            raise FileNotFoundError(f"Trainer.load: no checkpoint {path} (nor {path}.1, ...)")
+        raise StateFileError(f"Trainer.load: no intact checkpoint at {path}: "
+                             + "; ".join(passed_over))
+
+    def _load(self, path) -> None:
         arrays, meta = read_state(path)
         wanted = self.state_arrays()[0]
         missing = sorted(set(wanted) - set(arrays))
@@ -290,6 +378,10 @@ class Trainer:
         self._fit_state = self._resume = meta.get("fit")
         self.seed = int(meta.get("seed", self.seed))
         self.key_counter = int(meta.get("key_counter", 0))
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        if self.loss_scale is not None and "loss_scale" in meta:
+            self.loss_scale = float(meta["loss_scale"]["scale"])
+            self._finite_steps = int(meta["loss_scale"]["finite_steps"])
 
     def _optim_names(self) -> list[str]:
         slots = [f"optim:{slot}:{n}" for slot in self.optimizer.slots for n in self.param_names]
@@ -338,19 +430,94 @@ class Trainer:
             The gradient of each trainable parameter, by name.
         """
         value, grads = self._gradients(inputs, target, update_buffers=False)
-        return value, {n: g.numpy() for n, g in zip(self.param_names, grads)}
+        unscale = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale
+        return value, {n: g.numpy() * np.float32(unscale) for n, g in zip(self.param_names, grads)}
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step: ``optimizer.lr * schedule(steps)``."""
+        if self.schedule is None:
+            return self.optimizer.lr
+        factor = self.schedule(self.steps)
+        if not isinstance(factor, int | float | np.floating) or not math.isfinite(factor):
+            raise ValueError(f"Trainer: the schedule gave {factor!r} at step {self.steps}; "
+                             f"it must return a finite number")
+        return self.optimizer.lr * float(factor)
 
     def step(self, inputs: Inputs, target: np.ndarray) -> float:
         """One update on one minibatch; returns the loss before the update (and replaces the
-        ``updates`` buffers by their new values)."""
+        ``updates`` buffers by their new values). A step whose loss or gradient norm is not
+        finite is not applied: see ``on_nonfinite``."""
+        if self.check_inputs:
+            names = [f"input {v.name}" for v in self._inputs] + ["the target"]
+            check_finite([*_as_tuple(inputs), target], names, f"Trainer: {self._where()}")
+        buffers = dict(self._buffers)  # the step replaces, never writes into, these tensors
         value, grads = self._gradients(inputs, target)
-        new_params, self._optim_state = self.vm[f"{self.func_name}_optimizer"](
-            self._params, grads, self._optim_state
+        new_params, new_state, report = self.vm[f"{self.func_name}_optimizer"](
+            self._params, grads, self._optim_state, self._controls()
         )
-        self._params = list(new_params)
+        self.grad_norm = float(report[0].numpy())
         self.history.append(value)
+        if not (math.isfinite(value) and math.isfinite(self.grad_norm)):
+            self._buffers = buffers
+            if self.loss_scale is not None and math.isfinite(value):  # the scale overflowed
+                self.loss_scale /= 2
+                self._finite_steps = 0
+                self.skipped_steps += 1
+                _log.info("Trainer: %s: the gradients overflowed float16; the loss scale is "
+                          "now %g and the step was skipped", self._where(), self.loss_scale)
+            else:
+                self._nonfinite(value, grads)
+            return value
+        self._params, self._optim_state = list(new_params), list(new_state)
         self.steps += 1
+        if self.loss_scale is not None:
+            self._finite_steps += 1
+            if self._finite_steps == GROWTH_INTERVAL:
+                self.loss_scale, self._finite_steps = self.loss_scale * 2, 0
         return value
+
+    def adjoint_args(self, inputs: Inputs, target: np.ndarray) -> list:
+        """The arguments of the compiled loss adjoint for one batch: the model function's (the
+        next random key included), the target and, with ``precision="fp16"``, the loss scale
+        that seeds the backward pass."""
+        args = self._args(inputs, train=True)
+        args.append(self._to_device(target, self._target, "target"))
+        if self.loss_scale is not None:
+            args.append(tvm.runtime.tensor(np.array(self.loss_scale, "float32"), self.device))
+        return args
+
+    def _controls(self) -> list:
+        """The optimizer's run-time controls ``(lr, max_norm, grad_scale)`` on the device."""
+        unscale = 1.0 if self.loss_scale is None else 1.0 / self.loss_scale
+        values = self.optimizer.controls(self.lr, self.max_grad_norm, unscale)
+        key = tuple(float(v) for v in values)
+        if key != self._controls_cache[0]:
+            self._controls_cache = key, [tvm.runtime.tensor(v, self.device) for v in values]
+        return self._controls_cache[1]
+
+    def _where(self) -> str:
+        where = f"step {self.steps + self.skipped_steps + 1}"
+        if self._position is not None:
+            where += f" (epoch {self._position[0] + 1}, batch {self._position[1] + 1})"
+        return where
+
+    def _nonfinite(self, value: float, grads) -> None:
+        """Raise or log (``on_nonfinite``) a step that was not applied."""
+        bad = [n for n, g in zip(self.param_names, grads) if not np.isfinite(g.numpy()).all()]
+        what = [] if math.isfinite(value) else [f"the loss is {value}"]
+        if bad:
+            shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            counted = ("gradient of 1 parameter is" if len(bad) == 1
+                       else f"gradients of {len(bad)} parameters are")  # fmt: skip
+            what.append(f"the {counted} not finite ({shown})")
+        elif not math.isfinite(self.grad_norm):
+            what.append(f"the gradients' global norm is {self.grad_norm}")
+        message = f"Trainer: {self._where()}: " + "; ".join(what) + "; the step was not applied"
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message + " (on_nonfinite='skip' skips such steps)")
+        self.skipped_steps += 1
+        _log.warning("%s (%d skipped so far)", message, self.skipped_steps)
 
     def _gradients(self, inputs: Inputs, target: np.ndarray, update_buffers: bool = True):
         """The loss and gradient tensors of one batch: over ``accumulate`` micro-batches, and
@@ -362,9 +529,8 @@ class Trainer:
         elif self.accumulate > 1:
             value, grads, _ = accumulate_gradients(self, inputs, target, self.accumulate)
         else:
-            args = self._args(inputs, train=True)
-            args.append(self._to_device(target, self._target, "target"))
-            out, grads = self.vm[f"{self.func_name}_loss_adjoint"](*args)
+            adjoint = self.vm[f"{self.func_name}_loss_adjoint"]
+            out, grads = adjoint(*self.adjoint_args(inputs, target))
             if self.updates and update_buffers:  # out is (loss, *new buffer values)
                 self._buffers.update(zip(self.updates, list(out)[1:]))
             value = float(_first(out).numpy())
@@ -383,6 +549,7 @@ class Trainer:
         progress: bool = True,
         checkpoint=None,
         checkpoint_every: int | None = None,
+        keep: int = 1,
     ) -> list[float]:
         """Train for ``epochs`` over minibatches of ``(x, y)``; returns the per-step losses
         (also appended to ``history``).
@@ -397,9 +564,16 @@ class Trainer:
         times as many rows, in the same order on every rank, and rank ``r`` takes rows
         ``r, r + world_size, ...`` of each (the rows ``DistributedSampler`` gives it); only
         rank 0 shows the progress bar. With ``checkpoint`` (a path), :meth:`save` writes there
-        every ``checkpoint_every`` steps (by default, every epoch) and at the end. After
-        :meth:`load`, fit goes on from the saved position (the same data size, seed, batch
-        size and number of ranks), so a resumed run takes the steps of an uninterrupted one.
+        every ``checkpoint_every`` steps (by default, every epoch) and at the end, keeping the
+        last ``keep`` (see :meth:`save`). After :meth:`load`, fit goes on from the saved
+        position (the same data size, seed, batch size and number of ranks), so a resumed run
+        takes the steps of an uninterrupted one.
+
+        With ``checkpoint``, SIGTERM and SIGINT (a scheduler's stop, Ctrl-C) let the step in
+        flight finish, a checkpoint is written, and then the signal takes its course: SIGINT
+        raises ``KeyboardInterrupt``, SIGTERM ends the process as it would have. Data
+        parallel, every rank stops after the same step; ranks that got no signal raise
+        :class:`~relaxgrad.training.DistributedError` saying another rank was stopped.
         """
         batch_size = self._batch_size(batch_size)
         world, rank = (1, 0) if self.dp is None else (self.dp.world_size, self.dp.rank)
@@ -413,24 +587,55 @@ class Trainer:
         drop_last = self.batch_size is not None
         per_epoch = len(minibatches(len(y), world * batch_size, None, drop_last))
         every = checkpoint_every or per_epoch
+        position = first_epoch * per_epoch + first_batch  # batches of this run done
         losses: list[float] = []
-        with _progress_bar(total=epochs * per_epoch, initial=first_epoch * per_epoch + first_batch,
-                           disable=not progress or rank != 0, unit="step") as bar:
+        stopped = False
+        with Preemption(checkpoint is not None) as preemption, _progress_bar(
+                total=epochs * per_epoch, initial=position,
+                disable=not progress or rank != 0, unit="step") as bar:  # fmt: skip
             for epoch in range(first_epoch, epochs):
                 bar.set_description(f"epoch {epoch + 1}/{epochs}")
                 rng_state = None if rng is None else rng.bit_generator.state
                 batches = minibatches(len(y), world * batch_size, rng, drop_last)
                 for k in range(first_batch if epoch == first_epoch else 0, len(batches)):
                     idx = batches[k][rank::world]
-                    losses.append(self.step(_take(x, idx), y[idx]))
+                    self._position = (epoch, k)
+                    try:
+                        losses.append(self.step(_take(x, idx), y[idx]))
+                    finally:
+                        self._position = None
                     self._fit_state = {**run, "epoch": epoch, "batch": k + 1, "rng": rng_state}
-                    if checkpoint is not None and self.steps % every == 0:
-                        self.save(checkpoint)
+                    position += 1
+                    if checkpoint is not None and position % every == 0:
+                        self.save(checkpoint, keep)
                     bar.update()
-                    bar.set_postfix(loss=f"{np.mean(losses[-per_epoch:]):.4f}", refresh=False)
-        if checkpoint is not None and self.steps % every:
-            self.save(checkpoint)
+                    bar.set_postfix(loss=f"{np.nanmean(losses[-per_epoch:]):.4f}",
+                                    refresh=False)
+                    stopped = checkpoint is not None and self._stop_requested(preemption)
+                    if stopped:
+                        break
+                if stopped:
+                    break
+        if checkpoint is not None and position % every:
+            self.save(checkpoint, keep)
+        if stopped:
+            self._stop(preemption)
         return losses
+
+    def _stop_requested(self, preemption: Preemption) -> bool:
+        """Whether this rank (or, data parallel, any rank) received SIGTERM or SIGINT."""
+        if self.dp is None:
+            return preemption.signal is not None
+        return self.dp.all_sum([float(preemption.signal is not None)])[0] > 0
+
+    def _stop(self, preemption: Preemption) -> None:
+        """After the checkpoint of a stopped :meth:`fit`: the signal's own course."""
+        if preemption.signal is None:  # data parallel: another rank got it
+            from .distributed import DistributedError
+
+            raise DistributedError(f"Trainer.fit: another rank was stopped by a signal; every "
+                                   f"rank stopped after step {self.steps} and saved")
+        preemption.deliver()
 
     def predict(self, x: Inputs) -> np.ndarray:
         """The model's result on ``x``, batch by batch (the last batch zero-padded)."""
@@ -548,16 +753,20 @@ def training_module(
     optimizer: Optimizer,
     func_name: str = "main",
     target_type: relax.Type | None = None,
+    seed: str = "ones",
 ) -> IRModule:
     """The module a :class:`Trainer` compiles: ``model`` plus
 
     - ``<func>_loss(*params of func, target)``: :func:`append_loss` (for a model returning a
       tuple, ``(loss, *fields 1.. of the result)``);
     - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``, the
-      loss as target (index 0 of a tuple);
-    - ``<func>_optimizer(params, gradients, optim_states)``: ``optimizer.add_to`` (the
-      function of ``optimizer.get_function()`` with fused update kernels; ``optimizer.init``
-      is called, so ``optimizer.state`` holds the initial state);
+      loss as target (index 0 of a tuple), seeded with 1 or, with ``seed="param"``, with a
+      last parameter (a loss scale);
+    - ``<func>_optimizer(params, gradients, optim_states, controls)``: ``optimizer.add_to``
+      (the update of ``optimizer.get_function()`` with fused kernels, the learning rate, the
+      clipping norm and a gradient multiplier as run-time ``controls``, returning the
+      gradients' global norm too; ``optimizer.init`` is called, so ``optimizer.state`` holds
+      the initial state);
     - ``<func>_sample_loss(prediction, target)``: the per-sample losses (``reduction="none"``).
     """
     mod = append_loss(model, loss, func_name, target_type)
@@ -568,7 +777,7 @@ def training_module(
     if unknown:
         raise ValueError(f"Trainer: {func_name} has no parameters named {unknown} (it has {names})")
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
-    mod = Gradient(loss_name, trainable, target_index=0)(mod)
+    mod = Gradient(loss_name, trainable, target_index=0, seed=seed)(mod)
     optimizer.init(trainable)
     if f"{func_name}_optimizer" in _names(mod):
         raise ValueError(
@@ -578,6 +787,28 @@ def training_module(
     prediction_ty = prediction_type(model[func_name])
     sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
     return _with_function(mod, f"{func_name}_sample_loss", sample_loss)
+
+
+def _with_precision(model: IRModule, precision: str, func_names: set[str]) -> IRModule:
+    """``model`` with the products of ``func_names`` in ``precision``'s dtype."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"Trainer: precision must be 'fp32', 'bf16' or 'fp16', not "
+                         f"{precision!r}")
+    if precision == "fp32":
+        return model
+    return MixedPrecision(precision, sorted(func_names))(model)
+
+
+def _check_controls(schedule, max_grad_norm, on_nonfinite) -> None:
+    if schedule is not None and not callable(schedule):
+        raise ValueError(f"Trainer: schedule must be a function of the step, not {schedule!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                      or not isinstance(max_grad_norm, int | float)
+                                      or not max_grad_norm > 0):  # fmt: skip
+        raise ValueError(f"Trainer: max_grad_norm must be a number > 0 or None, not "
+                         f"{max_grad_norm!r}")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"Trainer: on_nonfinite must be 'raise' or 'skip', not {on_nonfinite!r}")
 
 
 def _check_updates(model: IRModule, func_name: str, buffers: Mapping, updates: Sequence[str]):

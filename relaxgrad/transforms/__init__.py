@@ -4,12 +4,14 @@ from .custom import custom_gradient, stop_gradient
 from .dropout import KeyDropout
 from .gradient import Gradient
 from .lower import LowerCallTIRWithGrad
+from .mixed_precision import MixedPrecision
 from .split import SplitInfo, split_info
 
 __all__ = [
     "Gradient",
     "KeyDropout",
     "LowerCallTIRWithGrad",
+    "MixedPrecision",
     "SplitInfo",
     "custom_gradient",
     "split_info",

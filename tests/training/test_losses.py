@@ -116,3 +116,27 @@ def test_unknown_reduction():
         MSELoss("max")
     with pytest.raises(ValueError, match="unknown reduction"):
         CrossEntropyLoss().with_reduction("avg")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 1])
+def test_ignore_index_matches_torch(reduction, ignore_index):
+    """Ignored labels (prompt tokens, padding) add nothing and a mean is over the others:
+    loss and gradients of the logits as ``torch.nn.functional.cross_entropy``'s."""
+    torch = pytest.importorskip("torch")
+    mod = append_loss(_linear(), CrossEntropyLoss(reduction, ignore_index=ignore_index))
+    rng = np.random.default_rng(2)
+    x, w, b = (rng.standard_normal(s) for s in [(BATCH, FEATURES), (CLASSES, FEATURES),
+                                                (CLASSES,)])
+    labels = np.array([0, ignore_index, 2, ignore_index], "int64")
+    if reduction != "none":
+        result = check_gradients(mod, "main_loss", [x, w, b, labels], wrt=[1, 2])
+        assert result.ok, str(result)
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    got = vm["main_loss"](*(tvm.runtime.tensor(a) for a in (x, w, b, labels))).numpy()
+    z = torch.tensor(x @ w.T + b)
+    expected = torch.nn.functional.cross_entropy(z, torch.tensor(labels), reduction=reduction,
+                                                 ignore_index=ignore_index).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-10)
+    with pytest.raises(ValueError, match="ignore_index must be an int"):
+        CrossEntropyLoss(ignore_index=1.5)

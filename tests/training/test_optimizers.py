@@ -32,8 +32,10 @@ def _run(optimizer: Optimizer, values, grads, fused: bool = False):
         mod = tvm.IRModule({"optimizer": optimizer.get_function()})
     step = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["optimizer"]
     current, state, history = [tvm.runtime.tensor(v) for v in values], optimizer.state, []
+    controls = [tvm.runtime.tensor(c) for c in optimizer.controls()]  # lr, no clipping, scale 1
     for g in grads:
-        current, state = step(current, [tvm.runtime.tensor(x) for x in g], state)
+        args = (current, [tvm.runtime.tensor(x) for x in g], state)
+        current, state = step(*args, controls)[:2] if fused else step(*args)
         history.append([p.numpy() for p in current])
     return history, [s.numpy() for s in state]
 
@@ -195,3 +197,54 @@ def test_trainer_module_with_fused_adam_builds_for_cuda():
     mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), Adam(1e-3))
     assert any(gv.name_hint.startswith("adam_update") for gv in mod.get_global_vars())
     relaxgrad.compile(mod, {"kind": "cuda", "arch": "sm_90"})
+
+
+def _controlled(optimizer: Optimizer, values):
+    """``add_to``'s compiled function with its run-time controls, on params ``p0, p1, ...``."""
+    params = [relax.Var(f"p{i}", relax.TensorType(v.shape, v.dtype)) for i, v in enumerate(values)]
+    mod = optimizer.init(params).add_to(tvm.IRModule(), "optimizer")
+    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["optimizer"]
+
+
+def test_runtime_lr_clipping_and_no_decay_match_torch():
+    """The learning rate changes every step without a recompile, gradients are unscaled and
+    clipped to a global norm as ``clip_grad_norm_`` does (reporting the norm before clipping),
+    and ``no_decay`` parameters form a parameter group without weight decay."""
+    torch = pytest.importorskip("torch")
+    values, grads = _problem()
+    optimizer = AdamW(0.01, weight_decay=0.1, no_decay=("p1",))
+    step = _controlled(optimizer, values)
+    theirs = [torch.tensor(v, requires_grad=True) for v in values]
+    torch_opt = torch.optim.AdamW([{"params": [theirs[0], theirs[2]]},
+                                   {"params": [theirs[1]], "weight_decay": 0.0}], 0.01,
+                                  weight_decay=0.1)
+    current, state = [tvm.runtime.tensor(v) for v in values], optimizer.state
+    for t, (lr, g) in enumerate(zip([0.01, 0.05, 0.0, 0.02, 0.03], grads)):
+        controls = [tvm.runtime.tensor(c) for c in optimizer.controls(lr, 1.0, grad_scale=0.5)]
+        current, state, (norm,) = step(current, [tvm.runtime.tensor(x) for x in g], state,
+                                       controls)
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        for p, x in zip(theirs, g):
+            p.grad = torch.tensor(x) * 0.5
+        torch_norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        torch_opt.step()
+        assert torch_norm > 1.0  # clipping is on
+        np.testing.assert_allclose(norm.numpy(), torch_norm.numpy(), rtol=1e-6)
+        for i, p in enumerate(theirs):
+            np.testing.assert_allclose(current[i].numpy(), p.detach().numpy(), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"step {t + 1} p{i}")
+
+
+def test_norm_reports_a_nonfinite_gradient():
+    values, grads = _problem()
+    optimizer = SGD(0.1)
+    step = _controlled(optimizer, values)
+    bad = [g.copy() for g in grads[0]]
+    bad[1][2] = np.nan
+    controls = [tvm.runtime.tensor(c) for c in optimizer.controls()]
+    _, _, (norm,) = step([tvm.runtime.tensor(v) for v in values],
+                         [tvm.runtime.tensor(x) for x in bad], optimizer.state, controls)
+    assert np.isnan(norm.numpy())
+    with pytest.raises(ValueError, match="no_decay must be a sequence of str"):
+        AdamW(0.1, no_decay="bias")

@@ -1,0 +1,121 @@
+"""``MixedPrecision``: a function's products in bfloat16 or float16, as ``torch.autocast`` runs
+them.
+
+In the named functions, every float32 matrix product and convolution (``matmul``, so linear
+layers and attention's products, and ``conv1d/2d/3d`` and their transposes: the ops of
+``torch.autocast``'s lower-precision lists for CPU and CUDA) reads its operands cast to the low
+dtype and returns float32, accumulated in float32 by the kernel (``out_dtype="float32"``).
+Everything else stays float32: softmax and log-softmax, the statistics of normalizations,
+reductions, losses, ``exp`` and ``log`` (the ops of autocast's float32 list, and all the others,
+which autocast leaves in the dtype they are given, float32 here).
+
+Each operand is cast once per function: a weight read by several products, and by the backward
+pass (whose products read the low-precision copy the forward made, see the rules of
+``relax.matmul`` and the convolutions), is one cast per step. The parameters stay float32, so
+their gradients come back in float32 (through the gradient of the cast); the gradients of the
+products' operands are rounded to the low dtype, as autocast's are.
+
+The pass runs on a model function before :class:`~relaxgrad.transforms.Gradient`; the
+:class:`~relaxgrad.training.Trainer` applies it for ``precision="bf16"`` or ``"fp16"``.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.ir import IRModule
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .. import _ty
+from .._module import with_function
+from ..errors import GradientError
+from ..exprs import is_op
+
+__all__ = ["LOW_PRECISION_OPS", "MixedPrecision"]
+
+_CONVOLUTIONS = ("conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose",
+                 "conv3d_transpose")  # fmt: skip
+LOW_PRECISION_OPS = ("relax.matmul", *(f"relax.nn.{name}" for name in _CONVOLUTIONS))
+"""The ops :class:`MixedPrecision` runs in the low dtype (float32 accumulation, float32
+result)."""
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+@mutator
+class _Cast(PyExprMutator):
+    """Casts the float32 operands of :data:`LOW_PRECISION_OPS` to ``dtype``, once per var and
+    binding block."""
+
+    def __init__(self, mod: IRModule, dtype: str):
+        super().__init__(mod)
+        self.dtype, self.rewritten = dtype, 0
+        self._casts: dict[relax.Expr, relax.Var] = {}
+
+    def visit_binding_block_(self, block):
+        self._casts = {}
+        return super().visit_binding_block_(block)
+
+    def visit_dataflow_block_(self, block):
+        self._casts = {}
+        return super().visit_dataflow_block_(block)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not any(is_op(call, name) for name in LOW_PRECISION_OPS):
+            return call
+        operands = call.args[:2]
+        if not all(_ty.dtype_of(x) == "float32" for x in (*operands, call)):
+            return call
+        low = [self._cast(x) for x in operands]
+        self.rewritten += 1
+        if is_op(call, "relax.matmul"):
+            return relax.op.matmul(*low, out_dtype="float32")
+        name = call.op.name.split(".")[-1]
+        fields = ["strides", "padding", *(["output_padding"] if "transpose" in name else []),
+                  "dilation", "groups", "data_layout", "kernel_layout", "out_layout"]
+        attrs = [call.attrs[f] if not isinstance(call.attrs[f], tvm.tirx.IntImm)
+                 else int(call.attrs[f]) for f in fields]  # fmt: skip
+        return getattr(relax.op.nn, name)(*low, *attrs, out_dtype="float32")
+
+    def _cast(self, x: relax.Expr) -> relax.Expr:
+        if x not in self._casts:
+            name = f"{x.name}_{self.dtype}" if isinstance(x, relax.Var) else self.dtype
+            self._casts[x] = self.builder_.emit(relax.op.astype(x, self.dtype), name)
+        return self._casts[x]
+
+
+@tvm.transform.module_pass(opt_level=0, name="MixedPrecision")
+class MixedPrecision:
+    """Module pass: run the products of ``func_names`` in ``dtype`` (see the module docstring).
+
+    Parameters
+    ----------
+    dtype : str
+        ``"bfloat16"`` (``"bf16"``) or ``"float16"`` (``"fp16"``).
+    func_names : sequence of str
+        The functions to rewrite (``("main",)`` by default).
+
+    Examples
+    --------
+    >>> mod = relaxgrad.transforms.MixedPrecision("bf16")(mod)
+    >>> mod = relaxgrad.Gradient("main")(mod)   # products and their gradients in bfloat16
+    """
+
+    def __init__(self, dtype: str = "bfloat16", func_names=("main",)):
+        if dtype not in _DTYPES:
+            raise GradientError(f"MixedPrecision: dtype must be one of {sorted(_DTYPES)}, "
+                                f"not {dtype!r}")
+        self.dtype = _DTYPES[dtype]
+        self.func_names = (func_names,) if isinstance(func_names, str) else tuple(func_names)
+
+    def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
+        names = {gv.name_hint for gv in mod.get_global_vars()}
+        for name in self.func_names:
+            if name not in names or not isinstance(mod[name], relax.Function):
+                raise GradientError(f"MixedPrecision: the module has no Relax function {name}")
+            cast = _Cast(mod, self.dtype)
+            func = cast.visit_expr(mod[name])
+            if cast.rewritten:
+                mod = with_function(cast.builder_.get(), name, func)
+        return mod

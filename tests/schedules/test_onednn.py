@@ -1,0 +1,108 @@
+"""Bf16MatmulToOneDNN: bfloat16 products with a float32 result as oneDNN calls or as sgemm on
+the converted operands (as the CPU's features choose), against numpy's float64 product of the
+same bfloat16 values (transposes folded into flags, batches, stacked rows), and TVM's own code
+where neither library is available."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax import op
+
+import relaxgrad
+from relaxgrad.schedules import onednn
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="no oneDNN wheel or AVX-512")
+
+
+@pytest.fixture(params=["onednn", "float32"])
+def kernel(request, monkeypatch):
+    """Each way of computing bf16 products, whichever this CPU would choose."""
+    monkeypatch.setenv("RELAXGRAD_BF16_GEMM", request.param)
+    return request.param
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to bfloat16 (to nearest even), as float32."""
+    bits = a.astype("float32").view("uint32")
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype("uint32").view("float32")
+
+
+def _product(a_shape, b_shape, trans_a=False, trans_b=False):
+    a = relax.Var("a", relax.TensorType(a_shape, "float32"))
+    b = relax.Var("b", relax.TensorType(b_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            x, y = op.astype(a, "bfloat16"), op.astype(b, "bfloat16")
+            if trans_a:
+                x = op.permute_dims(x, [*range(len(a_shape) - 2), len(a_shape) - 1,
+                                        len(a_shape) - 2])
+            if trans_b:
+                y = op.permute_dims(y, [*range(len(b_shape) - 2), len(b_shape) - 1,
+                                        len(b_shape) - 2])
+            out = bb.emit_output(op.matmul(x, y, out_dtype="float32"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+CASES = {
+    "plain": ((96, 64), (64, 80), False, False),
+    "trans_b": ((96, 64), (80, 64), False, True),  # a linear layer: x @ w^T
+    "trans_a": ((64, 96), (64, 80), True, False),  # a weight's gradient: x^T @ g
+    "stacked": ((4, 24, 64), (64, 80), False, False),  # a batch of rows, one weight
+    "batched": ((3, 40, 32), (3, 32, 48), False, False),  # attention's products
+    "batched_trans": ((3, 40, 32), (3, 48, 32), False, True),
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", list(CASES))
+def test_products_match_float64(case, kernel):
+    """oneDNN's bf16 GEMM, or OpenBLAS's sgemm on the operands converted: the same products."""
+    a_shape, b_shape, trans_a, trans_b = CASES[case]
+    mod = _product(a_shape, b_shape, trans_a, trans_b)
+    ex = relaxgrad.compile(mod, "llvm", cache=False)
+    assert ex.onednn_linked == (kernel == "onednn")
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(a),
+                                                     tvm.runtime.tensor(b)).numpy()
+    x, y = _bf16(a).astype("float64"), _bf16(b).astype("float64")
+    if trans_a:
+        x = np.swapaxes(x, -1, -2)
+    if trans_b:
+        y = np.swapaxes(y, -1, -2)
+    expected = x @ y
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_tvm_without_onednn_and_openblas(monkeypatch):
+    from relaxgrad.schedules import blas
+
+    monkeypatch.setattr(onednn, "available", lambda target=None: False)
+    monkeypatch.setattr(blas, "available", lambda target=None: False)
+    mod = _product((32, 16), (16, 8))
+    ex = relaxgrad.compile(mod, "llvm", cache=False)
+    assert not ex.onednn_linked
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((32, 16)).astype("float32"), rng.standard_normal((16, 8))
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(a),
+                                                     tvm.runtime.tensor(b.astype("float32")))
+    expected = _bf16(a).astype("float64") @ _bf16(b).astype("float64")
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_exported_library_loads_with_onednn_linked(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAXGRAD_BF16_GEMM", "onednn")
+    ex = relaxgrad.compile(_product((96, 64), (64, 80)), "llvm", cache=False)
+    ex.export_library(str(tmp_path / "gemm.so"))
+    lib = tvm.runtime.load_module(str(tmp_path / "gemm.so"))
+    a = np.ones((96, 64), "float32")
+    out = relax.VirtualMachine(lib, tvm.cpu())["main"](tvm.runtime.tensor(a),
+                                                      tvm.runtime.tensor(np.ones((64, 80),
+                                                                                 "float32")))
+    np.testing.assert_array_equal(out.numpy(), np.full((96, 80), 64.0, "float32"))

@@ -1,0 +1,165 @@
+"""Trainer(precision=...): bfloat16 and float16 training against PyTorch's autocast (first
+gradients at least as close to float64 as autocast's, float32 master weights), and float16's
+dynamic loss scale: overflow skips and halves, growth, checkpoints, exported artifacts."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from relaxgrad.training import SGD, Adam, CrossEntropyLoss, Trainer, from_torch
+from relaxgrad.training import trainer as trainer_module
+from relaxgrad.training.runtime_runner import Runner
+
+torch = pytest.importorskip("torch")
+
+BATCH = 16
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                               torch.nn.Linear(64, 10))
+
+
+def _data(rows=64):
+    rng = np.random.default_rng(3)
+    return rng.standard_normal((rows, 32)).astype("float32"), rng.integers(0, 10, rows)
+
+
+def _trainer(precision, optimizer=None, **kwargs):
+    net = _net()
+    model = from_torch(net, (torch.randn(BATCH, 32),))
+    return net, Trainer.for_model(model, CrossEntropyLoss(), optimizer or SGD(0.1),
+                                  precision=precision, **kwargs)
+
+
+def _torch_grads(net, x, y, dtype, autocast=None):
+    twin = copy.deepcopy(net).to(dtype)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = twin(torch.from_numpy(x).to(dtype))
+    torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(y)).backward()
+    return {k: p.grad.double().numpy() for k, p in twin.named_parameters()}
+
+
+def _distance(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_first_gradients_as_close_as_autocasts(precision, dtype):
+    net, trainer = _trainer(precision)
+    x, y = _data()
+    loss, ours = trainer.gradients(x[:BATCH], y[:BATCH])
+    exact = _torch_grads(net, x[:BATCH], y[:BATCH], torch.float64)
+    autocast = _torch_grads(net, x[:BATCH], y[:BATCH], torch.float32, dtype)
+    _, fp32 = _trainer("fp32")[1].gradients(x[:BATCH], y[:BATCH])
+    assert sorted(ours) == sorted(exact)
+    for name, g in ours.items():
+        assert g.dtype == np.float32 and np.isfinite(g).all(), name
+        mine, theirs = _distance(g, exact[name]), _distance(autocast[name], exact[name])
+        print(f"{precision} {name}: ours {mine:.2e}, autocast {theirs:.2e}")
+        assert mine <= 2 * theirs + 1e-6, name
+    assert any(_distance(g, exact[n]) > 10 * _distance(fp32[n], exact[n])
+               for n, g in ours.items())  # fmt: skip  (the products are low precision)
+    assert all(p.dtype == np.float32 for p in trainer.params.values())  # master weights
+
+
+def test_bf16_trains_as_autocast_over_steps():
+    net, trainer = _trainer("bf16", Adam(1e-2))
+    x, y = _data()
+    twin = copy.deepcopy(net)
+    opt = torch.optim.Adam(twin.parameters(), 1e-2)
+    for step in range(8):
+        rows = slice(BATCH * (step % 4), BATCH * (step % 4 + 1))
+        ours = trainer.step(x[rows], y[rows])
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = twin(torch.from_numpy(x[rows]))
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(y[rows]))
+        loss.backward()
+        opt.step()
+        assert ours == pytest.approx(loss.item(), rel=2e-2), step
+    assert trainer.history[-1] < trainer.history[0]
+
+
+def test_fp16_overflow_skips_halves_and_grows(monkeypatch, tmp_path):
+    monkeypatch.setattr(trainer_module, "GROWTH_INTERVAL", 3)
+    _, trainer = _trainer("fp16")
+    assert trainer.loss_scale == 2.0**16
+    x, y = _data()
+    trainer.loss_scale = 2.0**30  # the scaled gradients overflow float16 (65504)
+    before = trainer.params
+    trainer.step(x[:BATCH], y[:BATCH])
+    assert trainer.skipped_steps == 1 and trainer.steps == 0 and trainer.loss_scale == 2.0**29
+    for name, value in before.items():
+        np.testing.assert_array_equal(trainer.params[name], value)
+    while trainer.steps == 0:
+        trainer.step(x[:BATCH], y[:BATCH])
+    skipped, scale = trainer.skipped_steps, trainer.loss_scale
+    assert 1 < skipped < 30 and scale < 2.0**29
+    for _ in range(3):
+        trainer.step(x[BATCH:2 * BATCH], y[BATCH:2 * BATCH])
+    assert trainer.loss_scale == 2 * scale  # three finite steps in a row (interval 3)
+    trainer.save(tmp_path / "ckpt")
+    resumed = _trainer("fp16")[1]
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.loss_scale == trainer.loss_scale and resumed.skipped_steps == skipped
+
+
+def test_fp16_steps_equal_unscaled_float16_steps():
+    """The loss scale changes nothing but the range: steps at scale 2^16 and at scale 1 take
+    the same parameters (powers of two scale exactly), but for the few gradients that are
+    subnormal in float16 at scale 1 (what the scale is for)."""
+    _, scaled = _trainer("fp16")
+    _, unscaled = _trainer("fp16")
+    unscaled.loss_scale = 1.0
+    x, y = _data()
+    for step in range(3):
+        rows = slice(BATCH * step, BATCH * (step + 1))
+        assert scaled.step(x[rows], y[rows]) == unscaled.step(x[rows], y[rows])
+    for name, value in unscaled.params.items():
+        close = np.isclose(scaled.params[name], value, rtol=1e-6, atol=1e-7)
+        assert close.mean() > 0.99, name
+        np.testing.assert_allclose(scaled.params[name], value, rtol=1e-3, atol=1e-5)
+
+
+def test_exported_fp16_artifacts_scale_as_the_trainer(tmp_path):
+    _, trainer = _trainer("fp16", Adam(1e-2))
+    trainer.export(tmp_path)
+    runner = Runner(tmp_path)
+    x, y = _data()
+    for step in range(4):
+        rows = slice(BATCH * step, BATCH * (step + 1))
+        assert runner.step(x[rows], y[rows]) == pytest.approx(trainer.step(x[rows], y[rows]),
+                                                              rel=1e-6)
+    for name, value in zip(trainer.param_names, runner.params):
+        np.testing.assert_allclose(value.numpy(), trainer.params[name], rtol=1e-5, atol=1e-6)
+    runner.save()
+    resumed = _trainer("fp16", Adam(1e-2))[1]
+    resumed.load(runner.state_path)
+    assert resumed.loss_scale == 2.0**16 and resumed.steps == 4
+
+
+def test_precision_is_checked():
+    with pytest.raises(ValueError, match="precision must be 'fp32', 'bf16' or 'fp16'"):
+        _trainer("int8")
+
+
+def test_a_bf16_module_trains_with_float32_master_weights():
+    net = _net().to(torch.bfloat16)
+    model = from_torch(net, (torch.randn(BATCH, 32, dtype=torch.bfloat16),))
+    assert model.precision == "bf16"
+    assert all(p.dtype == torch.bfloat16 for p in net.parameters())  # the module is untouched
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1))
+    assert trainer.precision == "bf16"
+    for name, value in model.params.items():  # the bf16 weights, exactly, in float32
+        assert value.dtype == np.float32
+        np.testing.assert_array_equal(value, net.state_dict()[name].float().numpy())
+    x, y = _data()
+    losses = [trainer.step(x[:BATCH], y[:BATCH]) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    net.load_state_dict(trainer.state_dict())  # back into the bf16 module
+    assert net[0].weight.dtype == torch.bfloat16
+    np.testing.assert_allclose(net[0].weight.detach().float().numpy(), trainer.params["0.weight"],
+                               rtol=1e-2)
