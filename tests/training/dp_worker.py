@@ -159,8 +159,55 @@ def _write_json(out, rank, value):
         json.dump(value, f)
 
 
-SCENARIOS = {"mlp": mlp_run, "batchnorm": batchnorm_run, "killed": killed_run,
-             "resumed": resumed_run, "faults": faults_run}
+def nonfinite_run(out, rank):
+    """A NaN in one row of the third batch, which only rank 1's shard holds: with "skip" both
+    ranks skip that step and end with the same parameters; with "raise" both raise at it."""
+    from relaxgrad.training import NonFiniteError
+
+    x, y = data()
+    x = x.copy()
+    x[2 * 2 * BATCH + 1, 0] = np.nan  # batch 3 (rows 32-47), row 33: rank 1's (odd rows)
+    skipping = mlp_trainer(distributed=dp(), on_nonfinite="skip")
+    skipping.fit(x, y, epochs=1, shuffle=False, progress=False)
+    raised = None
+    try:
+        mlp_trainer(distributed=dp()).fit(x, y, epochs=1, shuffle=False, progress=False)
+    except NonFiniteError as err:
+        raised = str(err)
+    np.savez(os.path.join(out, f"rank{rank}.npz"),
+             **{f"param:{k}": v for k, v in skipping.params.items()})
+    _write_json(out, rank, {"skipped": skipping.skipped_steps, "steps": skipping.steps,
+                            "raised": raised})
+
+
+def preempted_run(out, rank):
+    """Rank 1 gets SIGTERM during step 2: both ranks finish it, rank 0 writes the checkpoint,
+    then rank 1 ends as SIGTERM ends a process and rank 0 raises DistributedError."""
+    import signal
+
+    from relaxgrad.training.distributed import DistributedError
+
+    x, y = data()
+    sent = []
+
+    def schedule(t):
+        if t == 1 and rank == 1 and not sent:
+            sent.append(t)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return 1.0
+
+    trainer = mlp_trainer(distributed=dp(), schedule=schedule)
+    try:
+        trainer.fit(x, y, epochs=2, checkpoint=os.path.join(out, "ckpt"), checkpoint_every=5,
+                    progress=False)
+    except DistributedError as err:
+        _write_json(out, rank, {"error": str(err), "steps": trainer.steps})
+        sys.exit(1)
+    _write_json(out, rank, {"finished": trainer.steps})
+
+
+SCENARIOS = {"preempted": preempted_run, "mlp": mlp_run, "batchnorm": batchnorm_run, "killed": killed_run,
+             "resumed": resumed_run, "faults": faults_run, "nonfinite": nonfinite_run}
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]

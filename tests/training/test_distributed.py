@@ -4,6 +4,7 @@ resume; a dead, a hung or a mismatched rank is a clear error."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -171,6 +172,30 @@ def faults(tmp_path_factory):
     start = time.perf_counter()
     code, err = launch("faults", out, wait_for=(0,))[0]
     return out, code, err, time.perf_counter() - start
+
+
+def test_a_nan_on_one_rank_is_the_same_decision_on_every_rank(tmp_path):
+    """The norm the ranks check is of the averaged gradients: a NaN in rank 1's shard makes
+    both ranks skip the step (the same parameters after), or both raise at it."""
+    done = launch("nonfinite", tmp_path)
+    assert all(code == 0 for code, _ in done.values()), done
+    first, second = ranks(tmp_path, "json")
+    assert first["skipped"] == second["skipped"] == 1 and first["steps"] == second["steps"] == 2
+    assert first["raised"] and second["raised"] and "epoch 1, batch 3" in first["raised"]
+    params = ranks(tmp_path, "npz")
+    for key, value in params[0].items():
+        np.testing.assert_array_equal(params[1][key], value)
+        assert np.isfinite(value).all()
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    from relaxgrad.training.state import read_state
+
+    done = launch("preempted", tmp_path)
+    assert done[1][0] == -signal.SIGTERM and done[0][0] == 1, done
+    stopped = result(tmp_path, 0)
+    assert "another rank was stopped" in stopped["error"] and stopped["steps"] == 2
+    assert read_state(tmp_path / "ckpt")[1]["steps"] == 2
 
 
 def test_mismatched_ranks_are_refused_at_start(faults):
