@@ -206,8 +206,9 @@ def preempted_run(out, rank):
     _write_json(out, rank, {"finished": trainer.steps})
 
 
-SCENARIOS = {"preempted": preempted_run, "mlp": mlp_run, "batchnorm": batchnorm_run, "killed": killed_run,
-             "resumed": resumed_run, "faults": faults_run, "nonfinite": nonfinite_run}
+SCENARIOS = {"mlp": mlp_run, "batchnorm": batchnorm_run, "killed": killed_run,
+             "resumed": resumed_run, "faults": faults_run, "nonfinite": nonfinite_run,
+             "preempted": preempted_run}
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], sys.argv[2]
