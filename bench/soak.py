@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import resource
 import signal
@@ -41,17 +40,6 @@ import time
 import numpy as np
 
 CHECKPOINT_EVERY = 10
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build(model: str, **options):
@@ -287,6 +275,8 @@ def main(argv=None) -> int:
         args.model = args.worker
         worker(args)
         return 0
+    from _common import cpu_model  # (bench/ is first on sys.path: run as a script)
+
     print(f"soak on {cpu_model()}, {os.cpu_count()} CPUs: {args.rounds} rounds, {args.steps} "
           f"steps, memory over {args.memory_steps}")
     rng = random.Random(args.seed)

@@ -44,7 +44,7 @@ from .. import _ty
 from ._common import OPAQUE, is_op, may_change, parsed_script, rewrite_functions, static_shape
 from .blas import THREADS, _untransposed, native_arch
 
-__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_hardware", "library_path", "link_options"]
+__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "library_path", "link_options"]
 
 SYMBOL = "dnnl_gemm_bf16bf16f32"
 _SET_THREADS = "omp_set_num_threads"
@@ -71,11 +71,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-def bf16_hardware() -> bool:
-    """Whether this CPU has bfloat16 instructions (AVX512_BF16 or AMX-BF16)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @functools.cache
