@@ -187,8 +187,7 @@ def relaxgrad_adjoint_over_forward(trainer, inputs, y) -> float:
     call of each in turn per round, 5 rounds."""
     from _common import adjoint_over_forward
 
-    args = trainer._args(inputs, train=True)
-    args.append(trainer._to_device(y, trainer._target, "target"))
+    args = trainer.adjoint_args(inputs, y)
     name = trainer.func_name
     forward, adjoint = trainer.vm[f"{name}_loss"], trainer.vm[f"{name}_loss_adjoint"]
     forward(*args)
