@@ -7,6 +7,7 @@ parallel training over ``torch.distributed`` (:class:`DataParallel`), learning-r
 from . import schedules
 from .datasets import Split, load_digits, minibatches
 from .distributed import DataParallel, DistributedError
+from .lora import LoraSpec, lora, merged_state_dict, save_adapter
 from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
 from .nn_module import from_nn_module
@@ -22,6 +23,7 @@ __all__ = [
     "CrossEntropyLoss",
     "DataParallel",
     "DistributedError",
+    "LoraSpec",
     "Loss",
     "MSELoss",
     "Model",
@@ -35,8 +37,11 @@ __all__ = [
     "from_nn_module",
     "from_torch",
     "load_digits",
+    "lora",
+    "merged_state_dict",
     "minibatches",
     "mlp",
+    "save_adapter",
     "schedules",
     "training_module",
 ]

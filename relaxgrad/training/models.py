@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
@@ -17,6 +18,9 @@ from tvm import relax
 from tvm.relax import op
 
 from .. import _ty
+
+if TYPE_CHECKING:
+    from .lora import LoraSpec
 
 __all__ = ["Model", "cnn", "mlp"]
 
@@ -62,6 +66,8 @@ class Model:
     precision : str, optional
         ``"bf16"`` or ``"fp16"`` for a model imported from a module in that dtype (imported as
         float32: the master weights), the Trainer's default ``precision``.
+    lora : LoraSpec, optional
+        The adapters :func:`~relaxgrad.training.lora` added (then ``params`` holds only them).
     """
 
     mod: tvm.IRModule
@@ -75,6 +81,7 @@ class Model:
     aliases: dict[str, str] = field(default_factory=dict)
     key: str | None = None
     precision: str | None = None
+    lora: LoraSpec | None = None
 
     @property
     def batch_size(self) -> int | None:

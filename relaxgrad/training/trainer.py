@@ -217,6 +217,7 @@ class Trainer:
         self.state_keys: tuple[str, ...] | None = None
         self.torch_state = False
         self.aliases: dict[str, str] = {}  # state key -> the parameter or buffer it names
+        self.lora = None  # the LoraSpec of a model from relaxgrad.training.lora
         self._optim_state = [s.copyto(self.device) for s in optimizer.state]
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
@@ -254,6 +255,7 @@ class Trainer:
                       key=model.key, **kwargs)
         trainer.state_keys, trainer.torch_state = model.state_keys, model.torch_state
         trainer.aliases = dict(model.aliases)
+        trainer.lora = model.lora
         return trainer
 
     @property

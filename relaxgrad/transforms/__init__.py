@@ -3,6 +3,7 @@
 from .custom import custom_gradient, stop_gradient
 from .dropout import KeyDropout
 from .gradient import Gradient
+from .lora import LoRA
 from .lower import LowerCallTIRWithGrad
 from .mixed_precision import MixedPrecision
 from .split import SplitInfo, split_info
@@ -10,6 +11,7 @@ from .split import SplitInfo, split_info
 __all__ = [
     "Gradient",
     "KeyDropout",
+    "LoRA",
     "LowerCallTIRWithGrad",
     "MixedPrecision",
     "SplitInfo",
