@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from relaxgrad import GradientError
-from relaxgrad.training import (SGD, AdamW, CrossEntropyLoss, Trainer, from_torch, lora,
-                                merged_state_dict, mlp, save_adapter)
+from relaxgrad.training import (
+    SGD,
+    AdamW,
+    CrossEntropyLoss,
+    Trainer,
+    from_torch,
+    lora,
+    merged_state_dict,
+    mlp,
+    save_adapter,
+)
 from relaxgrad.training.trainer import training_module
 
 torch = pytest.importorskip("torch")
