@@ -14,37 +14,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import GradientError
 from ..transforms.lora import LoRA, adapter_names, linear_weights
-from .models import Model
+from .models import LoraSpec, Model
 
 __all__ = ["LoraSpec", "lora", "merged_state_dict", "save_adapter"]
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What :func:`lora` added: ``weights`` (the adapted parameters, in order), and for each
-    whether it has PyTorch's ``(out, in)`` layout; ``r``, ``alpha``, ``targets`` as given."""
-
-    r: int
-    alpha: float
-    targets: tuple[str, ...] | str
-    weights: tuple[str, ...]
-    transposed: tuple[bool, ...]
-
-    @property
-    def scale(self) -> float:
-        """The adapters' factor, ``alpha / r`` as PEFT's."""
-        return self.alpha / self.r
-
-    def adapters(self) -> list[tuple[str, str, str]]:
-        """``(weight, A, B)`` parameter names for each adapted weight."""
-        return [(w, *adapter_names(w)) for w in self.weights]
 
 
 def lora(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
@@ -19,10 +18,30 @@ from tvm.relax import op
 
 from .. import _ty
 
-if TYPE_CHECKING:
-    from .lora import LoraSpec
+__all__ = ["LoraSpec", "Model", "cnn", "mlp"]
 
-__all__ = ["Model", "cnn", "mlp"]
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What :func:`lora` added: ``weights`` (the adapted parameters, in order), and for each
+    whether it has PyTorch's ``(out, in)`` layout; ``r``, ``alpha``, ``targets`` as given."""
+
+    r: int
+    alpha: float
+    targets: tuple[str, ...] | str
+    weights: tuple[str, ...]
+    transposed: tuple[bool, ...]
+
+    @property
+    def scale(self) -> float:
+        """The adapters' factor, ``alpha / r`` as PEFT's."""
+        return self.alpha / self.r
+
+    def adapters(self) -> list[tuple[str, str, str]]:
+        """``(weight, A, B)`` parameter names for each adapted weight."""
+        from ..transforms.lora import adapter_names
+
+        return [(w, *adapter_names(w)) for w in self.weights]
 
 
 @dataclass

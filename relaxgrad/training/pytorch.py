@@ -163,7 +163,8 @@ def from_torch(
         eval_func = f"{func_name}_eval"
         mod = with_function(mod, eval_func, evaluation)
     tensors = [*module.named_parameters(), *module.named_buffers()]
-    values = {k: v.detach().cpu().numpy().copy() for k, v in tensors}
+    # views of the module's tensors, not copies: the Trainer copies them once, to the device
+    values = {k: _read_only(v.detach().cpu().numpy()) for k, v in tensors}
     return Model(
         mod,
         {k: values[k] for k in trainable},
@@ -177,6 +178,12 @@ def from_torch(
         key=None if key is None else DROPOUT_KEY,
         precision=precision,
     )
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _float32_copy(module, inputs: tuple):

@@ -60,7 +60,9 @@ class Trainer:
     loss : Loss
         The loss of the model's result against a target.
     optimizer : Optimizer
-        The optimizer; ``init`` is called on the loss function's parameter vars.
+        The optimizer; ``init`` is called on the loss function's parameter vars, and the
+        Trainer takes its initial ``state`` over (``optimizer.state`` is None afterwards, so
+        that no second copy of it stays alive).
     func_name : str
         Name of the model function.
     target : str, dict or tvm.target.Target, optional
@@ -218,7 +220,9 @@ class Trainer:
         self.torch_state = False
         self.aliases: dict[str, str] = {}  # state key -> the parameter or buffer it names
         self.lora = None  # the LoraSpec of a model from relaxgrad.training.lora
-        self._optim_state = [s.copyto(self.device) for s in optimizer.state]
+        # the Trainer owns the optimizer's initial state (a second copy would stay alive)
+        self._optim_state = [_on(s, self.device) for s in optimizer.state]
+        optimizer.state = None
         first = _ty.shape_values(self._inputs[0])[0] if self._inputs else None
         self.batch_size: int | None = int(first) if isinstance(first, tvm.tirx.IntImm) else None
         self.history: list[float] = []
@@ -909,6 +913,13 @@ def _with_function(mod: IRModule, name: str, func: relax.Function) -> IRModule:
     if name in _names(mod):
         raise ValueError(f"Trainer: the model module already has a function named {name!r}")
     return with_function(mod, name, func)
+
+
+def _on(tensor: tvm.runtime.Tensor, device) -> tvm.runtime.Tensor:
+    """``tensor`` on ``device``: itself when it is there already."""
+    same = (tensor.device.dlpack_device_type(), tensor.device.index) == (
+        device.dlpack_device_type(), device.index)
+    return tensor if same else tensor.copyto(device)
 
 
 def _first(result):
