@@ -59,6 +59,7 @@ from .schedules import (
     ScheduleGPU,
     SerialVectorLoops,
     ShareStatistics,
+    UpdateInPlace,
     WideColumnSums,
     WindowScatter,
     blas,
@@ -364,7 +365,7 @@ def cpu_pipeline(
             FuseRowReductions(min_rows),
         ],
         after_fusing=[FuseColumnSums(min_rows)],
-        after_fusing_tir=[FuseRowGroups(min_rows)],
+        after_fusing_tir=[UpdateInPlace(), FuseRowGroups(min_rows)],
         legalize=LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward,
                                   "relax.concat": legalize_concat}),
     )  # fmt: skip

@@ -17,7 +17,9 @@ for calls of the same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elem
 read twice are copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows
 may fuse with their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins
 the elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
-kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`);
+kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`)
+and a Trainer's optimizer step writes the new parameters and state over the old
+(:class:`UpdateInPlace`);
 after scheduling, vectorized loops over ``sinh`` and ``cosh`` or blocks of several results run
 serially (:class:`SerialVectorLoops`: TVM 0.27 cannot build the first, builds the second wrong) and
 float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become polynomials LLVM vectorizes
@@ -35,6 +37,7 @@ from .fold import FoldConstantCalls
 from .fold_ops import FoldConstantOps
 from .gpu import FullReduction
 from .groups import FuseRowGroups, RowColumnLocal
+from .inplace import UpdateInPlace
 from .legalize import LegalizeOpsOnce
 from .losses import NllLossGradAsMask
 from .means import MeanAsSum
@@ -80,6 +83,7 @@ __all__ = [
     "SerialVectorLoops",
     "TiledMatmul",
     "WideColumnSums",
+    "UpdateInPlace",
     "WindowScatter",
     "default_cpu_rules",
     "default_gpu_rules",

@@ -15,7 +15,12 @@ argument, run-time controls ``(lr, max_norm, grad_scale)``, and returns a third 
 ``(norm,)``: the gradients are multiplied by ``grad_scale`` (the inverse of a loss scale), their
 global L2 norm is ``norm`` (NaN or infinity when a gradient is not finite), and they are clipped
 to ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` clips them (``inf``: no clipping) before
-the update with the learning rate ``lr``. ``no_decay`` names the parameters (by substrings of
+the update with the learning rate ``lr``. When ``norm`` is not finite the function returns the
+parameters and the state as they were (the step counter too). With ``in_place=True`` the
+function is marked (``relaxgrad.in_place``) for ``relaxgrad.compile`` to write the new
+parameters and state into the tensors it is given (:class:`~relaxgrad.schedules.UpdateInPlace`):
+no second copy of them exists during the step, but the caller's tensors change, as PyTorch's
+optimizers change theirs. ``no_decay`` names the parameters (by substrings of
 their names, e.g. ``("bias", "norm")``) that get no weight decay, as fine-tuning recipes'
 parameter groups.
 """
@@ -32,6 +37,7 @@ from tvm.ir import IRModule
 from tvm.relax import op
 
 from .. import _ty
+from ..schedules.inplace import IN_PLACE
 
 __all__ = ["SGD", "Adam", "AdamW", "MomentumSGD", "Optimizer"]
 
@@ -86,17 +92,21 @@ class Optimizer:
         :meth:`add_to` for what a Trainer compiles)."""
         return self._build(relax.BlockBuilder(), self.name, fused=False)[self.name]
 
-    def add_to(self, mod: IRModule, name: str) -> IRModule:
+    def add_to(self, mod: IRModule, name: str, in_place: bool = False) -> IRModule:
         """``mod`` with ``name(params, gradients, optim_states, controls) -> (new_params,
-        new_optim_states, (norm,))`` added (see the module docstring for the controls), its
-        updates fused into one kernel per parameter where the optimizer has one (:class:`Adam`:
-        each element of the parameter, gradient and moments read once, instead of three
-        passes)."""
+        new_optim_states, (norm,))`` added (see the module docstring for the controls and
+        ``in_place``), its updates fused into one kernel per parameter where the optimizer has
+        one (:class:`Adam`: each element of the parameter, gradient and moments read once,
+        instead of three passes)."""
         if name in [gv.name_hint for gv in mod.get_global_vars()]:
             raise ValueError(
                 f"{type(self).__name__}: the module already has a function named {name!r}"
             )
-        return self._build(relax.BlockBuilder(mod), name, fused=True, controlled=True)
+        mod = self._build(relax.BlockBuilder(mod), name, fused=True, controlled=True)
+        if in_place:
+            gv = mod.get_global_var(name)
+            mod[gv] = mod[gv].with_attr(IN_PLACE, True)
+        return mod
 
     def controls(self, lr: float | None = None, max_norm: float | None = None,
                  grad_scale: float = 1.0) -> list[np.ndarray]:
@@ -121,29 +131,33 @@ class Optimizer:
         c_var = relax.Var("controls", relax.TupleType([scalar] * 3))
         with bb.function(name, [p_var, g_var, s_var, *([c_var] if controlled else [])]):
             with bb.dataflow():
-                step = bb.emit(relax.TupleGetItem(s_var, 0) + self._const(1), "step")
+                old_step = bb.emit(relax.TupleGetItem(s_var, 0), "old_step")
+                step = bb.emit(old_step + self._const(1), "step")
                 grads = [bb.emit(relax.TupleGetItem(g_var, i), f"{p.name}_grad")
                          for i, p in enumerate(params)]  # fmt: skip
                 if controlled:
                     lr, scale, norm = self._controls(bb, c_var, grads)
+                    ok = bb.emit(op.isfinite(norm), "finite")
                 else:
-                    lr, scale, norm = self._const(self.lr), None, None
+                    lr, scale, norm, ok = self._const(self.lr), None, None, None
                 new_params, new_slots = [], [[None] * n for _ in self.slots]
                 for i, (param, g) in enumerate(zip(params, grads)):
                     name = param.name
                     p = bb.emit(relax.TupleGetItem(p_var, i), name)
-                    if scale is not None:
-                        g = bb.emit(g * scale, f"{name}_grad_scaled")
                     slots = [
                         bb.emit(relax.TupleGetItem(s_var, 1 + k * n + i), f"{name}_{slot}")
                         for k, slot in enumerate(self.slots)
                     ]
-                    update = self._fused_update if fused else self._update
-                    hyper = _Hyper(lr, self._decay_of(param))
-                    p_new, slots_new = update(bb, p, g, slots, step, hyper)
+                    hyper = _Hyper(lr, self._decay_of(param), scale, ok)
+                    if fused:
+                        p_new, slots_new = self._fused_update(bb, p, g, slots, step, hyper)
+                    else:
+                        p_new, slots_new = self._update(bb, p, g, slots, step, hyper)
                     new_params.append(bb.emit(p_new, f"{name}_new"))
                     for k, slot in enumerate(self.slots):
                         new_slots[k][i] = bb.emit(slots_new[k], f"{name}_{slot}_new")
+                if ok is not None:  # a step with a non-finite gradient counts nothing
+                    step = bb.emit(op.where(ok, step, old_step), "step_new")
                 state = [step] + [v for per_slot in new_slots for v in per_slot]
                 out_params = bb.emit_output(relax.Tuple(new_params), "params_new")
                 out_state = bb.emit_output(relax.Tuple(state), "optim_states_new")
@@ -181,8 +195,15 @@ class Optimizer:
 
     def _fused_update(self, bb: relax.BlockBuilder, p, g, slots: list, step, hyper: _Hyper):
         """:meth:`_update` with its elementwise work in as few kernels as the optimizer can
-        (:meth:`add_to`); by default the same ops."""
-        return self._update(bb, p, g, slots, step, hyper)
+        (:meth:`add_to`), the gradient multiplied by ``hyper.scale`` first and the old values
+        kept where ``hyper.ok`` is false; by default the same ops (which fusion joins)."""
+        if hyper.scale is not None:
+            g = bb.emit(g * hyper.scale, f"{p.name}_grad_scaled")
+        p_new, slots_new = self._update(bb, p, g, slots, step, hyper)
+        if hyper.ok is None:
+            return p_new, slots_new
+        return (op.where(hyper.ok, p_new, p),
+                [op.where(hyper.ok, new, old) for new, old in zip(slots_new, slots)])
 
     def _const(self, value: float) -> relax.Constant:
         return relax.const(value, self.dtype)
@@ -275,28 +296,60 @@ class Adam(Optimizer):
         return p - step_size * (m / denom), [m, v]
 
     def _fused_update(self, bb, p, g, slots, step, hyper):
-        # One kernel for the three updates: each element of p, g, m and v is read once (as
-        # separate ops, m and v were written, then read again for p).
-        g = self._l2(bb, p, g, hyper.decay)
-        p = self._decay(bb, p, hyper)
+        # One kernel for the three updates, the gradient's scaling, the weight decay and the
+        # skip of a non-finite step: each element of p, g, m and v is read once (as separate
+        # ops, m and v were written, then read again for p).
+        if hyper.scale is None:
+            return super()._fused_update(bb, p, g, slots, step, hyper)
         lr = hyper.lr if isinstance(hyper.lr, relax.Var) else bb.emit(hyper.lr)
-        fused = bb.emit_te(self._fused, p, g, *slots, step, lr, primfunc_name_hint="adam_update")
+        fused = bb.emit_te(self._fused, p, g, *slots, step, lr, hyper.scale, hyper.ok,
+                           hyper.decay, primfunc_name_hint="adam_update")
         return relax.TupleGetItem(fused, 0), [relax.TupleGetItem(fused, k) for k in (1, 2)]
 
-    def _fused(self, p, g, m, v, step, lr):
-        """``(new p, new m, new v)`` as one TE computation (see :class:`Adam`)."""
+    def _fused(self, p, g, m, v, step, lr, scale, ok, decay):
+        """``(new p, new m, new v)`` as one TE computation (see :class:`Adam`); the old values
+        where ``ok`` is false."""
         (beta1, beta2), dtype = self.betas, p.dtype
+        decoupled = type(self)._l2 is not Adam._l2  # AdamW decays p, not the gradient
 
         def c(value):
             return tirx.const(value, dtype)
 
-        def update(*i):
-            new_m = m(*i) + c(1.0 - beta1) * (g(*i) - m(*i))
-            new_v = c(beta2) * v(*i) + c(1.0 - beta2) * (g(*i) * g(*i))
+        def grad_of(i):
+            grad = g(*i) * scale()
+            return grad + c(decay) * p(*i) if decay and not decoupled else grad
+
+        def moments(*i):
+            grad = grad_of(i)
+            new_m = m(*i) + c(1.0 - beta1) * (grad - m(*i))
+            new_v = c(beta2) * v(*i) + c(1.0 - beta2) * (grad * grad)
+            return new_m, new_v
+
+        def param(i, new_m, new_v):
+            old = p(*i)
+            if decay and decoupled:
+                old = old * (c(1.0) - lr() * c(decay))
             step_size = lr() / (c(1.0) - tirx.power(c(beta1), step()))
             correction2 = tirx.sqrt(c(1.0) - tirx.power(c(beta2), step()))
             denom = tirx.sqrt(new_v) / correction2 + c(self.eps)
-            return [p(*i) - step_size * (new_m / denom), new_m, new_v]
+            return tirx.Select(ok(), old - step_size * (new_m / denom), p(*i))
+
+        def kept(new, old, i):
+            return tirx.Select(ok(), new, old(*i))
+
+        if decay and not decoupled:
+            # the moments read p (the L2 penalty): they are computed first, in a loop of their
+            # own, and p's update reads them back, so that each tensor can be updated in place
+            # (relaxgrad.schedules.UpdateInPlace) without a read of an overwritten element
+            new_m, new_v = te.compute(
+                p.shape, lambda *i: [kept(x, old, i) for x, old in zip(moments(*i), (m, v))],
+                name="adam_moments")
+            new_p = te.compute(p.shape, lambda *i: param(i, new_m(*i), new_v(*i)), name="adam")
+            return [new_p, new_m, new_v]
+
+        def update(*i):  # one loop: p's block first, as the moments' blocks do not read p
+            new_m, new_v = moments(*i)
+            return [param(i, new_m, new_v), kept(new_m, m, i), kept(new_v, v, i)]
 
         return te.compute(p.shape, update, name="adam")
 
@@ -330,11 +383,13 @@ class AdamW(Adam):
 
 @dataclass(frozen=True)
 class _Hyper:
-    """One parameter's hyperparameters in an update: the learning rate (an expr) and its weight
-    decay."""
+    """One parameter's hyperparameters in an update: the learning rate (an expr), its weight
+    decay and, in a Trainer's function, the gradients' multiplier and whether to apply."""
 
     lr: relax.Expr
     decay: float
+    scale: relax.Expr | None = None  # the gradients' multiplier (clipping, loss scale)
+    ok: relax.Expr | None = None  # a bool scalar: apply the update (else keep the old values)
 
 
 def _check_params(owner: str, params: list[relax.Var]) -> str:

@@ -771,8 +771,9 @@ def training_module(
     - ``<func>_optimizer(params, gradients, optim_states, controls)``: ``optimizer.add_to``
       (the update of ``optimizer.get_function()`` with fused kernels, the learning rate, the
       clipping norm and a gradient multiplier as run-time ``controls``, returning the
-      gradients' global norm too; ``optimizer.init`` is called, so ``optimizer.state`` holds
-      the initial state);
+      gradients' global norm too; it writes the new parameters and state into the tensors it
+      is given (``in_place``); ``optimizer.init`` is called, so ``optimizer.state`` holds the
+      initial state);
     - ``<func>_sample_loss(prediction, target)``: the per-sample losses (``reduction="none"``).
     """
     mod = append_loss(model, loss, func_name, target_type)
@@ -789,7 +790,7 @@ def training_module(
         raise ValueError(
             f"Trainer: the model module already has a function named '{func_name}_optimizer'"
         )
-    mod = optimizer.add_to(mod, f"{func_name}_optimizer")
+    mod = optimizer.add_to(mod, f"{func_name}_optimizer", in_place=True)
     prediction_ty = prediction_type(model[func_name])
     sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
     return _with_function(mod, f"{func_name}_sample_loss", sample_loss)

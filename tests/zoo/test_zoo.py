@@ -58,8 +58,12 @@ MAX_ADJOINT_RATIO = 6
 SKIP: dict[str, str] = {}
 #: known adjoints over the limit
 LARGE_ADJOINT: dict[str, str] = {}
-PARAMS = [pytest.param(name, marks=pytest.mark.skip(reason=SKIP[name])) if name in SKIP
-          else name for name in ZOO]
+#: one model's tests share its import and compile: under pytest-xdist (``--dist loadgroup``)
+#: they run in one worker
+PARAMS = [pytest.param(name, marks=[pytest.mark.xdist_group(name),
+                                    *([pytest.mark.skip(reason=SKIP[name])] if name in SKIP
+                                      else [])])
+          for name in ZOO]
 
 
 class Case:
