@@ -83,3 +83,20 @@ def fmt(t: tuple[float, float, float], scale: float = 1e3, digits: int = 2) -> s
     """A ``(median, min, max)`` triple, scaled, as ``"median (min-max)"``."""
     median, low, high = (v * scale for v in t)
     return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def rss_mib(key: str = "VmRSS") -> float:
+    """This process's resident memory now (``VmRSS``) or its peak since the last
+    :func:`reset_peak_rss` (``VmHWM``), from ``/proc/self/status``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak_rss() -> None:
+    """Start ``VmHWM`` again from the current RSS (Linux's ``clear_refs``), so that
+    ``rss_mib("VmHWM")`` is the peak of what follows."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

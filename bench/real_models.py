@@ -37,8 +37,11 @@ empty compile caches (a fresh ``TORCHINDUCTOR_CACHE_DIR``; inductor would otherw
 previous round's kernels). *Peak RSS* is the child's ``ru_maxrss``: the whole process, Python,
 torch and transformers included (relaxgrad's child also holds the PyTorch model ``from_torch``
 read, and TVM). Below the table, *built* is the peak after building the PyTorch model, before
-any framework ran, and *compiled* the peak after the compile (relaxgrad's; the others' is the
-built one), before the first step. Inductor compiles its kernels in worker processes whose
+any framework ran, *compiled* the peak after the compile (relaxgrad's; the others' is the
+built one), *before the first step* the RSS then, and *peak of the steps* the largest RSS
+during the steps (Linux's ``VmHWM``, reset before the first step). relaxgrad's child drops the
+PyTorch module once the Trainer holds the weights, as a user training with relaxgrad can
+(``trainer.state_dict()`` returns them). Inductor compiles its kernels in worker processes whose
 memory is not in its RSS (their largest peak is printed as ``workers``). While a child's timed
 steps run it measures the CPU time the rest of the machine took (``/proc/stat`` less its own),
 printed as *others' load* in cores (the largest over its rounds): PyTorch's thread pool suffers
@@ -229,13 +232,18 @@ def child(name: str, framework: str) -> dict:
 
         torch._inductor.config.compile_threads = ARGS.threads
     module, x, y, label = build(name, np.random.default_rng(0))
+    from _common import reset_peak_rss, rss_mib
+
     out = {"label": label, "base_rss_mib": peak_rss_mib()}
     if framework == "relaxgrad":
         out["compile_s"], (trainer, inputs) = timed(relaxgrad_trainer, module, x)
+        del module  # the Trainer holds the weights (trainer.state_dict() gives them back)
         step = lambda: trainer.step(inputs, y)  # noqa: E731
     else:
         out["compile_s"], step = 0.0, torch_step(module, x, y, framework == "compile")
     out["compile_rss_mib"] = peak_rss_mib()  # the peak so far: the build and the compile
+    out["ready_rss_mib"] = rss_mib()  # what the process holds before its first step
+    reset_peak_rss()
     out["first_step_s"], first_loss = timed(step)
     if framework == "compile":
         out["compile_s"] = out["first_step_s"]
@@ -250,6 +258,7 @@ def child(name: str, framework: str) -> dict:
     # the CPUs other processes kept busy while the steps ran, in cores
     out["others_cores"] = max(0.0, (busy_end - busy) - (own_end - own)) / wall
     out.update(step_s=times, losses=losses, peak_rss_mib=peak_rss_mib(),
+               steps_peak_rss_mib=rss_mib("VmHWM"),
                workers_rss_mib=peak_rss_mib(resource.RUSAGE_CHILDREN))
     if framework == "relaxgrad":
         out["adjoint_over_forward"] = relaxgrad_adjoint_over_forward(trainer, inputs, y)
@@ -317,7 +326,8 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict]:
         out[framework] = {"step": spread(medians), "medians": medians,
                           **{k: statistics.median(r[k] for r in runs) for k in (
                               "compile_s", "first_step_s", "peak_rss_mib", "base_rss_mib",
-                              "compile_rss_mib", "workers_rss_mib")},
+                              "compile_rss_mib", "workers_rss_mib", "ready_rss_mib",
+                              "steps_peak_rss_mib")},
                           "others_cores": max(r["others_cores"] for r in runs),
                           "label": runs[0]["label"], "loss": runs[0]["losses"][-1],
                           "kernels": runs[0]["kernels"]}
@@ -373,6 +383,8 @@ def notes(framework: str, s: dict) -> str:
     return (f"{LABELS[framework]} ({s['kernels']}){adjoint}: first step "
             f"{s['first_step_s']:.2f} s, peak RSS "
             f"{s['base_rss_mib']:.0f} MiB built, {s['compile_rss_mib']:.0f} MiB compiled{workers}, "
+            f"RSS before the first step {s['ready_rss_mib']:.0f} MiB, peak of the steps "
+            f"{s['steps_peak_rss_mib']:.0f} MiB, "
             f"loss after {ARGS.steps + 1} steps {s['loss']:.4f}, others' load up to "
             f"{s['others_cores']:.2f} cores")
 
