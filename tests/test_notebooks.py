@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 def test_notebooks_exist():
     assert {"quickstart", "checkpointing", "training_digits", "finetune_pytorch",
-            "finetune_transformer"} <= {
+            "finetune_transformer", "finetune_llm_lora"} <= {
         p.stem for p in NOTEBOOKS
     }
 

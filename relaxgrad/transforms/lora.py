@@ -61,12 +61,14 @@ class _Adapt(PyExprMutator):
         if weight is None:
             return call
         a, b, _ = self.weights[weight]
-        dtype = _ty.dtype_of(call)
+        dtype = _ty.dtype_of(a)  # the adapters' products in their dtype, added in the layer's
         down = self.builder_.emit(relax.op.matmul(x, relax.op.permute_dims(a), out_dtype=dtype))
         up = self.builder_.emit(relax.op.matmul(down, relax.op.permute_dims(b), out_dtype=dtype))
+        up = self.builder_.emit(relax.op.multiply(up, relax.const(self.scale, dtype)))
         base = self.builder_.emit(call)
-        scale = relax.const(self.scale, dtype)
-        return relax.op.add(base, relax.op.multiply(up, scale))
+        if _ty.dtype_of(call) != dtype:
+            up = self.builder_.emit(relax.op.astype(up, _ty.dtype_of(call)))
+        return relax.op.add(base, up)
 
     def _weight(self, rhs: relax.Expr) -> relax.Var | None:
         """The adapted weight a product's right operand reads, in its layout."""
