@@ -304,7 +304,8 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
     legalize = LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward_gpu})
-    before = [ConvToMatmul(summed_batches=False), ShareStatistics(), WideColumnSums(),
+    before = [NllLossGradAsMask(), ConvToMatmul(summed_batches=False), ShareStatistics(),
+              WideColumnSums(),
               relax.transform.EliminateCommonSubexpr()]  # fmt: skip
     return _pipeline(schedule, before, [WithoutSeqScopes()], cuda_graph,
                      "relaxgrad.gpu_pipeline", legalize=legalize)  # fmt: skip

@@ -7,9 +7,14 @@ gradient then reads twice (its row sums, then the difference): GPT-2 small's lan
 loss over 50257 classes wrote and read 412 MB three times a step for 2048 nonzero values.
 :class:`NllLossGradAsMask` writes it as ``where(arange(C) == targets[:, None], -w * g / W,
 0)``, with ``w`` each row's weight (``weights[target]``; 0 where the target is
-``ignore_index``, when that is a class) and ``W`` their sum (``mean``; 1 for ``sum``): the
-legalization's values, from broadcasts that fuse into their readers (each reader computes its
+``ignore_index``, whatever its value: PyTorch's default -100 too) and ``W`` their sum
+(``mean``; 1 for ``sum``), from broadcasts that fuse into their readers (each reader computes its
 own mask: :class:`~relaxgrad.schedules.DuplicateCheapProducers`).
+
+It is also a fix: TVM 0.27's legalization of ``nll_loss_backward`` leaves ``ignore_index`` out
+of the weights (it reads ``weights[target]``, out of bounds for a target of -100, and sums it
+into ``W``), so a mean over rows some of which are ignored (padding, a prompt) came out scaled
+by the wrong count. The rewrite therefore applies at every size, on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -25,16 +30,11 @@ from ._common import may_change, rewrite_functions, static_shape
 
 @tvm.transform.module_pass(opt_level=0, name="NllLossGradAsMask")
 class NllLossGradAsMask:
-    """Rewrite ``nll_loss_backward`` of 2-D float predictions with static shapes, at least
-    ``min_elements`` of them, and 1-D targets into a masked broadcast (see the module
-    docstring). Below it the gradient is small, and its kernel one the rewrite's would add to
-    the compile (a classifier's batch x 10: 0.03 s of a 0.6 s compile)."""
-
-    def __init__(self, min_elements: int = 1 << 16):
-        self.min_elements = min_elements
+    """Rewrite ``nll_loss_backward`` of 2-D float predictions with static shapes and 1-D
+    targets into a masked broadcast (see the module docstring)."""
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        return rewrite_functions(_Rewriter(mod, self.min_elements), mod)
+        return rewrite_functions(_Rewriter(mod), mod)
 
 
 _NLL_BACKWARD = Op.get("relax.grad.nll_loss_backward")
@@ -46,10 +46,6 @@ def _is_nll_backward(expr) -> bool:
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, min_elements: int):
-        super().__init__(mod)
-        self.min_elements = min_elements
-
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         if not may_change(func, _is_nll_backward):
             return func
@@ -65,19 +61,17 @@ class _Rewriter(PyExprMutator):
         reduction, ignore = str(call.attrs.reduction), int(call.attrs.ignore_index)
         if shape is None or len(shape) != 2 or target_shape != shape[:1] or reduction == "none":
             return call
-        if shape[0] * shape[1] < self.min_elements:
-            return call
         if not dtype.startswith(("float", "bfloat")) or static_shape(g) != []:
             return call
         emit, op = self.builder_.emit, relax.op
         index_dtype = _ty.dtype_of(targets)
-        if weights:
-            row_weights = emit(op.take(weights[0], targets, axis=0))
+        kept = emit(op.not_equal(targets, relax.const(ignore, index_dtype)))
+        if weights:  # an ignored target (e.g. -100) reads class 0's weight, then weighs 0
+            safe = emit(op.where(kept, targets, relax.const(0, index_dtype)))
+            row_weights = emit(op.take(weights[0], safe, axis=0))
         else:
             row_weights = emit(op.ones((shape[0],), dtype))
-        if ignore >= 0:  # the ignored class weighs nothing
-            kept = op.not_equal(targets, relax.const(ignore, index_dtype))
-            row_weights = emit(op.multiply(row_weights, op.astype(kept, dtype)))
+        row_weights = emit(op.multiply(row_weights, op.astype(kept, dtype)))
         scale = op.negative(g)
         if reduction == "mean":
             scale = op.divide(scale, emit(op.sum(row_weights)))

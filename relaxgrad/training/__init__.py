@@ -12,6 +12,7 @@ from .losses import CrossEntropyLoss, Loss, MSELoss, append_loss
 from .models import Model, cnn, mlp
 from .nn_module import from_nn_module
 from .optimizers import SGD, Adam, AdamW, MomentumSGD, Optimizer
+from .packing import Packed, pack
 from .pytorch import from_torch
 from .resilience import NonFiniteError
 from .trainer import Trainer, training_module
@@ -30,6 +31,7 @@ __all__ = [
     "MomentumSGD",
     "NonFiniteError",
     "Optimizer",
+    "Packed",
     "Split",
     "Trainer",
     "append_loss",
@@ -41,6 +43,7 @@ __all__ = [
     "merged_state_dict",
     "minibatches",
     "mlp",
+    "pack",
     "save_adapter",
     "schedules",
     "training_module",
