@@ -100,3 +100,27 @@ def reset_peak_rss() -> None:
     ``rss_mib("VmHWM")`` is the peak of what follows."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def run_json_child(args: list[str], timeout: float, prefix: str) -> dict:
+    """Run ``args`` (a bench's child) with empty compile caches (inductor's and relaxgrad's, in
+    a temporary folder) and return the JSON of its last line of output, or ``{"error": ...}``
+    with the last line of its stderr (and ``stderr``'s end) when it fails or times out."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   RELAXGRAD_CACHE_DIR=os.path.join(cache, "relaxgrad"))
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    return {"error": f"exit {done.returncode}: {errors[-1] if errors else '?'}",
+            "stderr": done.stderr[-4000:]}

@@ -37,9 +37,7 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 MODELS = {
@@ -200,19 +198,9 @@ def run_child(framework: str, precision: str) -> dict:
     args = [sys.executable, __file__, "--child", framework, precision, "--model", ARGS.model,
             "--steps", str(ARGS.steps), "--threads", str(ARGS.threads), "--batch",
             str(ARGS.batch), "--seq", str(ARGS.seq)] + (["--small"] if ARGS.small else [])
-    with tempfile.TemporaryDirectory(prefix="finetune-llm-") as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   RELAXGRAD_CACHE_DIR=os.path.join(cache, "relaxgrad"))
-        try:
-            done = subprocess.run(args, capture_output=True, text=True, timeout=ARGS.timeout,
-                                  env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {ARGS.timeout:.0f} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    return {"error": f"exit {done.returncode}: {errors[-1] if errors else '?'}"}
+    from _common import run_json_child
+
+    return run_json_child(args, ARGS.timeout, "finetune-llm-")
 
 
 def main() -> None:

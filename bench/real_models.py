@@ -75,9 +75,7 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
-import tempfile
 import time
 
 MODELS = ("bert", "resnet50", "gpt2")
@@ -274,21 +272,9 @@ def run_child(name: str, framework: str) -> dict:
             "--precision", ARGS.precision]
     if ARGS.small:
         args.append("--small")
-    with tempfile.TemporaryDirectory(prefix="real-models-") as cache:
-        # empty compile caches: inductor's (FX graphs, kernels) and relaxgrad's
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   RELAXGRAD_CACHE_DIR=os.path.join(cache, "relaxgrad"))
-        try:
-            done = subprocess.run(args, capture_output=True, text=True, timeout=ARGS.timeout,
-                                  env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {ARGS.timeout:.0f} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
-    return {"error": f"exit {done.returncode}: {errors[-1] if errors else '?'}",
-            "stderr": done.stderr[-4000:]}
+    from _common import run_json_child
+
+    return run_json_child(args, ARGS.timeout, "real-models-")
 
 
 def rounds(name: str) -> dict[str, list[dict]]:
