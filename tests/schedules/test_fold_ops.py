@@ -202,7 +202,7 @@ def test_calls_left_read_the_rebound_vars():
             loss = builder.emit_output(op.nn.nll_loss(scores, y, reduction="mean"))
         builder.emit_func_output(loss)
     mod = relaxgrad.Gradient("main", require_grads=[z])(builder.get())
-    masked = NllLossGradAsMask(min_elements=0)(mod)  # as the pipeline has it at this size
+    masked = NllLossGradAsMask()(mod)  # as the pipeline has it
     folded = FoldConstantOps()(masked)
     for gvar, func in folded.functions_items():
         if isinstance(func, relax.Function):
