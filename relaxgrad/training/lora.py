@@ -71,7 +71,8 @@ def lora(
         raise GradientError("lora: the model already has LoRA adapters")
     func = model.mod[model.func_name]
     linear = linear_weights(func)
-    names = [p.name for p in func.params if p.name in model.params]
+    values = {**model.buffers, **model.params}  # a weight frozen already is a target too
+    names = [p.name for p in func.params if p.name in values]
     weights = [n for n in names if _module(n) is not None and _matches(_module(n), targets)]
     if not weights:
         raise GradientError(f"lora: no weight parameter of {model.func_name} matches the "
@@ -85,11 +86,11 @@ def lora(
     rng = np.random.default_rng(seed)
     params = {}
     for weight in weights:
-        shape = model.params[weight].shape
+        shape = values[weight].shape
         out, inp = shape if linear[weight] else shape[::-1]
         a, b = adapter_names(weight)
         bound = 1.0 / np.sqrt(inp)
-        dtype = model.params[weight].dtype
+        dtype = values[weight].dtype
         params[a] = rng.uniform(-bound, bound, (r, inp)).astype(dtype)
         params[b] = np.zeros((out, r), dtype)
     spec = LoraSpec(r, float(alpha), targets if isinstance(targets, str) else tuple(targets),

@@ -186,3 +186,17 @@ def test_bad_targets():
         lora(cnn(4), ["conv0"])
     with pytest.raises(GradientError, match="positive"):
         lora(model, ["fc0"], r=0)
+
+
+def test_a_weight_frozen_already_is_a_target():
+    """A base whose weights are buffers already (requires_grad=False in PyTorch, as PEFT
+    leaves a model it wrapped) takes adapters on them too."""
+    from dataclasses import replace
+
+    model = mlp(4, in_features=6, hidden=(5,), num_classes=3)
+    frozen = replace(model, params={k: v for k, v in model.params.items() if k != "fc0_weight"},
+                     buffers={"fc0_weight": model.params["fc0_weight"]})
+    adapted = lora(frozen, ["fc0"], r=2)
+    assert sorted(adapted.params) == ["fc0_lora_A", "fc0_lora_B"]
+    assert adapted.params["fc0_lora_A"].shape == (2, 6)
+    assert "fc0_weight" in adapted.buffers
