@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# one Sphinx build writes docs/api/generated: under pytest-xdist these tests share a worker
+pytestmark = pytest.mark.xdist_group("docs")
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the packages whose ``__all__`` the API reference must cover
 PACKAGES = ("relaxgrad", "relaxgrad.transforms", "relaxgrad.training", "relaxgrad.analysis",

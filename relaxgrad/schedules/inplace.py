@@ -45,16 +45,16 @@ class UpdateInPlace:
                 new, kernels = _rewrite(mod, func)
                 if kernels:
                     updates[gv] = new.without_attr(IN_PLACE)
-                    for name, prim in kernels.items():
-                        mod = _with_prim(mod, name, prim)
+                    for gv_prim, prim in kernels.items():
+                        mod = _with_prim(mod, gv_prim, prim)
         for gv, func in updates.items():
             mod[gv] = func
         return mod
 
 
-def _with_prim(mod: IRModule, name: str, prim) -> IRModule:
+def _with_prim(mod: IRModule, gv: tvm.ir.GlobalVar, prim) -> IRModule:
     mod = mod.clone()
-    mod[tvm.ir.GlobalVar(name)] = prim.with_attr("global_symbol", name)
+    mod[gv] = prim.with_attr("global_symbol", gv.name_hint)
     return mod
 
 
@@ -63,7 +63,7 @@ def _bindings(func: relax.Function):
 
 
 def _rewrite(mod: IRModule, func: relax.Function):
-    """``(func with in-place calls, {new kernel name: PrimFunc})``."""
+    """``(func with in-place calls, {GlobalVar of a new kernel: its PrimFunc})``."""
     params = list(func.params)
     owned = {params[i] for i in _OWNED if i < len(params)}
     bindings = _bindings(func)
@@ -113,11 +113,12 @@ def _rewrite(mod: IRModule, func: relax.Function):
         if not inplace:
             continue
         name = _fresh(f"{call.args[0].name_hint}_inplace", names)
-        kernels[name] = _in_place_prim(prim, len(args), n_out, inplace)
+        kernel = _in_place_prim(prim, len(args), n_out, inplace)
         indices = [inplace.get(k, -1) for k in range(n_out)]
         out_ty = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
         gv = tvm.ir.GlobalVar(name)
-        relax.expr._update_type(gv, kernels[name].ty)
+        relax.expr._update_type(gv, kernel.ty)
+        kernels[gv] = kernel
         new_values[b.var] = relax.call_tir_inplace(gv, call.args[1], indices, out_ty)
     if not new_values:
         return func, {}
