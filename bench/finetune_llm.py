@@ -127,24 +127,9 @@ def torch_step(framework: str, precision: str, base, tokens):
     return step
 
 
-def flat_logits(model):
-    """A module returning ``model(ids).logits`` flattened to ``(tokens, vocab)``."""
-    import torch
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            logits = self.model(ids).logits
-            return logits.reshape(-1, logits.shape[-1])
-
-    return Logits(model)
-
-
 def relaxgrad_step(precision: str, base, tokens):
     import torch
+    from _common import Logits
 
     from relaxgrad.training import AdamW, CrossEntropyLoss, Trainer, from_torch, lora
 
@@ -153,8 +138,8 @@ def relaxgrad_step(precision: str, base, tokens):
                for name, p in wrapped.named_parameters() if "lora_" in name}
     base = wrapped.unload()
     x = tokens[:, :-1]
-    model = lora(from_torch(flat_logits(base), (torch.from_numpy(x),)), TARGETS, r=R,
-                 alpha=ALPHA)
+    module = Logits(base, "input_ids", flat=True)
+    model = lora(from_torch(module, (torch.from_numpy(x),)), TARGETS, r=R, alpha=ALPHA)
     for name in model.params:
         model.params[name] = initial[name.removeprefix("model.")].numpy().copy()
     trainer = Trainer.for_model(model, CrossEntropyLoss(), AdamW(LR), precision=precision,
