@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule
 
@@ -72,7 +73,10 @@ class Trainer:
         Type of the loss target; by default derived from the result by ``loss.target_type``.
     buffers : Mapping[str, np.ndarray], optional
         Initial values of non-trainable parameters the Trainer feeds (e.g. BatchNorm's
-        running statistics), by parameter name.
+        running statistics), by parameter name. On the CPU, a buffer that no step replaces
+        (a frozen weight, e.g. a LoRA base's) shares the given array's memory when it is
+        C-contiguous and 64-byte aligned (as PyTorch's tensors are) instead of being copied:
+        the Trainer never writes it, and changing the array changes what the Trainer reads.
     updates : sequence of str
         Buffers replaced after each step by fields ``1, 2, ...`` of the model's tuple result
         (as PyTorch updates BatchNorm's running statistics in train mode).
@@ -212,8 +216,11 @@ class Trainer:
             self._to_device(params[name], loss_func.params[i], "parameter")
             for i, name in zip(self._param_pos, self.param_names)
         ]
+        # a frozen buffer (one no step replaces) is shared with the caller's array where it can
+        # be: a LoRA base's weights are then held once, not copied next to the model's
         self._buffers = {
-            name: self._to_device(buffers[name], loss_func.params[i], "buffer")
+            name: self._to_device(buffers[name], loss_func.params[i], "buffer",
+                                  share=name not in self.updates)
             for i, name in zip(self._buffer_pos, self.buffer_names)
         }
         self.state_keys: tuple[str, ...] | None = None
@@ -723,7 +730,10 @@ class Trainer:
         self.key_counter += 1
         return tvm.runtime.tensor(key, self.device)
 
-    def _to_device(self, value, var: relax.Var, what: str) -> tvm.runtime.Tensor:
+    def _to_device(self, value, var: relax.Var, what: str, share: bool = False
+                   ) -> tvm.runtime.Tensor:
+        """``value`` as a tensor on the device for ``var``; with ``share``, the memory of
+        ``value`` itself when it allows (:func:`_shared`), which no step may write."""
         if isinstance(value, tvm.runtime.Tensor):
             return value
         value = np.asarray(value)
@@ -735,7 +745,9 @@ class Trainer:
                 f"Trainer: {what} {var.name} must have shape {tuple(int(d) for d in shape)}, "
                 f"got {value.shape}"
             )
-        return tvm.runtime.tensor(value.astype(dtype, copy=False), self.device)
+        value = value.astype(dtype, copy=False)
+        shared = _shared(value, self.device) if share else None
+        return shared if shared is not None else tvm.runtime.tensor(value, self.device)
 
     def _batch_size(self, batch_size: int | None) -> int:
         if self.batch_size is None:
@@ -921,6 +933,22 @@ def _on(tensor: tvm.runtime.Tensor, device) -> tvm.runtime.Tensor:
     same = (tensor.device.dlpack_device_type(), tensor.device.index) == (
         device.dlpack_device_type(), device.index)
     return tensor if same else tensor.copyto(device)
+
+
+def _shared(value: np.ndarray, device) -> tvm.runtime.Tensor | None:
+    """A CPU tensor over ``value``'s memory (zero-copy, through DLPack; a read-only array
+    too, as DLPack 1.0 marks it), or None where TVM's kernels cannot read it in place: another
+    device, an array that is not C-contiguous, or not aligned to the 64 bytes TVM's kernels
+    assume. The tensor keeps ``value`` alive."""
+    if device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        return None
+    if not value.flags.c_contiguous or value.ctypes.data % 64 or value.size == 0:
+        return None
+    try:
+        return tvm_ffi.from_dlpack(value.__dlpack__(max_version=(1, 0)), require_alignment=64,
+                                   require_contiguous=True)
+    except (BufferError, TypeError, RuntimeError):  # an exporter or dtype DLPack cannot carry
+        return None
 
 
 def _first(result):

@@ -4,6 +4,8 @@ lowest adapter (counted on the adjoint); adapters saved in PEFT's format load wi
 ``PeftModel.from_pretrained``; merged weights give the adapted model's outputs."""
 
 import copy
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -200,3 +202,45 @@ def test_a_weight_frozen_already_is_a_target():
     assert sorted(adapted.params) == ["fc0_lora_A", "fc0_lora_B"]
     assert adapted.params["fc0_lora_A"].shape == (2, 6)
     assert "fc0_weight" in adapted.buffers
+
+
+def test_a_killed_lora_fine_tune_resumes_to_the_uninterrupted_run(tmp_path):
+    """Killed (SIGKILL) as its step 5 begins, a fine-tune with dropout, a warmup + cosine
+    schedule, clipping and AdamW resumes from its last checkpoint to the adapters, optimizer
+    state and losses of the run that was not interrupted, bitwise."""
+    import subprocess
+    import sys
+
+    from . import lora_worker
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, lora_worker.__file__, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    straight = lora_worker.trainer()
+    losses = lora_worker.train(straight)
+    resumed = lora_worker.trainer()
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.steps == lora_worker.KILLED_AT
+    assert lora_worker.train(resumed) == losses[lora_worker.KILLED_AT:]
+    for name, value in straight.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value)
+    ours, theirs = resumed.state_arrays()[0], straight.state_arrays()[0]
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+
+
+def test_frozen_weights_are_held_once(case):
+    """The Trainer reads the base's frozen weights (every linear, embedding and norm weight) in
+    the PyTorch module's own memory, not a copy; the steps above left them as they were."""
+    base, model, trainer, x, y = case
+    frozen = [name for name in trainer._buffers if name not in trainer.updates]
+    assert len(frozen) == 2 * 9 + 3  # 9 weights a layer, the embedding, the final norm, lm_head
+    for name in frozen:
+        assert np.from_dlpack(trainer._buffers[name]).ctypes.data == (
+            model.buffers[name].ctypes.data), name
+    weights = {"model." + k: v for k, v in base.state_dict().items()}
+    for name in frozen:
+        np.testing.assert_array_equal(model.buffers[name], weights[name].numpy())

@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 from tvm.relax import op
 
@@ -155,3 +156,17 @@ def test_errors():
         trainer.step(x, y[:16])
     with pytest.raises(ValueError, match="takes 1 inputs, got 2"):
         trainer.step((x[:16], x[:16]), y[:16])
+
+
+def test_shared_buffers_are_cpu_aligned_contiguous_arrays_only():
+    from relaxgrad.training.trainer import _shared
+
+    aligned = np.zeros(1024 + 16, "float32")
+    start = (-aligned.ctypes.data % 64) // 4
+    array = aligned[start:start + 1024].reshape(32, 32)
+    array.flags.writeable = False  # from_torch's views are read-only
+    tensor = _shared(array, tvm.cpu())
+    assert np.from_dlpack(tensor).ctypes.data == array.ctypes.data
+    assert _shared(aligned[start + 1:start + 1001], tvm.cpu()) is None  # 4 bytes off
+    assert _shared(array.T, tvm.cpu()) is None  # not C-contiguous
+    assert _shared(array, tvm.cuda()) is None
