@@ -16,6 +16,17 @@ tensor) is an output of a fused kernel that reads the old one; such a call becom
   variables, in order): no block reads an element after it was overwritten.
 
 Any other output keeps its own allocation. The gradients and controls are never written.
+
+In every other Relax function (a loss adjoint: the forward and backward pass), a kernel writes
+its output into an argument of at least ``min_bytes`` (1 MiB) when that argument is a tensor the
+function computed itself (a kernel's result, or the reshape of one nothing else reads), of the
+output's shape and dtype, which no later binding reads, nor returns, nor reads but as a
+kernel's argument, and the kernel, all of whose blocks are spatial (elementwise, broadcast,
+injective: TVM's scheduling primitives refuse a reduction that reads a buffer a later block
+overwrites), allows it (as above). E.g. the cross-entropy's gradient
+(:class:`~relaxgrad.training.CrossEntropyLoss`) overwrites the logits, its last reader: one
+buffer of ``tokens x vocabulary`` instead of two. The function's parameters are never
+written.
 """
 
 from __future__ import annotations
@@ -24,29 +35,42 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
+from tvm.sym import Analyzer
 
-__all__ = ["IN_PLACE", "UpdateInPlace"]
+__all__ = ["IN_PLACE", "UpdateInPlace", "pending", "scheduled_in_place"]
 
 #: The attribute of an optimizer function whose results may overwrite its parameters and state
 #: (:meth:`Optimizer.add_to(..., in_place=True) <relaxgrad.training.Optimizer.add_to>`).
 IN_PLACE = "relaxgrad.in_place"
 
 _OWNED = (0, 2)  # the params and optim_states tuples: the caller's tensors to overwrite
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+#: The smallest tensor, in bytes, that a kernel overwrites when it is the last to read it
+TEMPORARY_BYTES = 1 << 20
 
 
 @tvm.transform.module_pass(opt_level=0, name="UpdateInPlace")
 class UpdateInPlace:
-    """Module pass: the marked optimizer functions update in place (module docstring)."""
+    """Module pass: the marked optimizer functions update in place, and kernels of the other
+    functions write into a large tensor of the function's own that no later binding reads
+    (module docstring). ``min_bytes``: the smallest such tensor (``None``: none)."""
+
+    def __init__(self, min_bytes: int | None = TEMPORARY_BYTES):
+        self.min_bytes = min_bytes if min_bytes is not None else float("inf")
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         updates = {}
         for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function) and func.attrs and func.attrs.get(IN_PLACE):
-                new, kernels = _rewrite(mod, func)
-                if kernels:
-                    updates[gv] = new.without_attr(IN_PLACE)
-                    for gv_prim, prim in kernels.items():
-                        mod = _with_prim(mod, gv_prim, prim)
+            if not isinstance(func, relax.Function):
+                continue
+            marked = func.attrs is not None and bool(func.attrs.get(IN_PLACE))
+            new, kernels = (_rewrite(mod, func) if marked
+                            else _temporaries(mod, func, self.min_bytes))
+            if kernels:
+                updates[gv] = new.without_attr(IN_PLACE) if marked else new
+                for gv_prim, prim in kernels.items():
+                    mod = _with_prim(mod, gv_prim, prim)
         for gv, func in updates.items():
             mod[gv] = func
         return mod
@@ -85,8 +109,7 @@ def _rewrite(mod: IRModule, func: relax.Function):
         value = b.value
         if isinstance(value, relax.TupleGetItem) and value.tuple_value in values:
             outputs.setdefault(value.tuple_value, {})[int(value.index)] = b.var
-    names = {gv.name_hint for gv in mod.get_global_vars()}
-    new_values, kernels = {}, {}
+    candidates = {}
     for i, b in enumerate(bindings):
         call = b.value
         if not (isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get("relax.call_tir"))):
@@ -105,21 +128,125 @@ def _rewrite(mod: IRModule, func: relax.Function):
             if later or old in returned or whole > i or owned & returned:
                 continue
             inplace[k] = j[0]
-        if not inplace:
+        if inplace:
+            candidates[b.var] = inplace
+    return _apply(mod, func, candidates)
+
+
+def _temporaries(mod: IRModule, func: relax.Function, min_bytes: int):
+    """:func:`_rewrite` for the tensors ``func`` makes itself (module docstring)."""
+    bindings = _bindings(func)
+    values = {b.var: b.value for b in bindings}
+    uses = {}  # var -> [(binding index, whether only as an argument of a computing call)]
+    for i, b in enumerate(bindings):
+        plain = _computing(mod, b.value)
+        arguments = set(b.value.args[1].fields) if plain else set()
+        for v in relax.analysis.free_vars(b.value):
+            uses.setdefault(v, []).append((i, v in arguments))
+    returned = set(relax.analysis.free_vars(func.body.body))
+
+    def fresh(var) -> bool:
+        """Whether ``var`` is a tensor only this function holds: a computing call's result,
+        or the reshape of one that nothing else reads (a reshape becomes a view)."""
+        value = values.get(var)
+        if _computing(mod, value) and isinstance(var.ty, relax.TensorType):
+            return True
+        source = _reshaped(mod, value)
+        return source is not None and len(uses.get(source, [])) == 1 and fresh(source)
+
+    candidates = {}
+    for i, b in enumerate(bindings):
+        call = b.value
+        if (not _computing(mod, call) or isinstance(b.var.ty, relax.TupleType)
+                or not _spatial(mod[call.args[0]])):
             continue
+        args = list(call.args[1].fields)
+        for j, arg in enumerate(args):
+            used = uses.get(arg, [])
+            if (isinstance(arg, relax.Var) and args.count(arg) == 1 and arg not in returned
+                    and all(plain for _, plain in used) and max(n for n, _ in used) == i
+                    and tvm_ffi.structural_equal(arg.ty, b.var.ty)
+                    and _bytes(arg.ty) >= min_bytes and fresh(arg)):
+                candidates[b.var] = {0: j}
+                break
+    return _apply(mod, func, candidates)
+
+
+def _spatial(prim) -> bool:
+    """Whether every block of ``prim`` is spatial (no reduction): the schedule rules schedule
+    such a kernel in place as they do out of place, which TVM's scheduling primitives refuse
+    for a reduction reading the buffer a later block overwrites."""
+    if not isinstance(prim.body, s_tir.SBlockRealize):
+        return False
+    return all(iv.iter_type == tirx.IterVar.DataPar for _, r in _blocks(prim)
+               for iv in r.block.iter_vars)
+
+
+def _computing(mod: IRModule, value) -> bool:
+    """Whether ``value`` is a ``call_tir`` of a kernel that is not a reshape (which TVM
+    turns into a view of its argument)."""
+    if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
+        return False
+    prim = mod[value.args[0]]
+    return isinstance(prim, tirx.PrimFunc) and not _is_reshape(prim)
+
+
+def _is_reshape(prim) -> bool:
+    """TVM's test (a kernel without blocks, e.g. a BLAS call, is none)."""
+    return isinstance(prim.body, s_tir.SBlockRealize) and relax.analysis.has_reshape_pattern(
+        prim)
+
+
+def _reshaped(mod: IRModule, value):
+    """The tensor that ``value`` reshapes (``R.reshape``, or a reshape kernel), else None."""
+    if isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.reshape")):
+        return value.args[0]
+    if (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)
+            and len(value.args[1].fields) == 1
+            and isinstance(mod[value.args[0]], tirx.PrimFunc) and _is_reshape(mod[value.args[0]])):
+        return value.args[1].fields[0]
+    return None
+
+
+def _bytes(ty) -> int:
+    shape = [d for d in ty.shape.values] if getattr(ty, "shape", None) is not None else None
+    if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape):
+        return 0
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * tvm.DataType(ty.dtype).bits // 8
+
+
+def _apply(mod: IRModule, func: relax.Function, candidates: dict):
+    """``func`` with each ``call_tir`` bound to a var of ``candidates`` (var -> {output index:
+    argument index}) in place where its kernel allows (:func:`_safe`), and the new kernels."""
+    bindings = _bindings(func)
+    names = {gv.name_hint for gv in mod.get_global_vars()}
+    new_values, kernels, made = {}, {}, {}
+    normalizer = relax.BlockBuilder()  # gives the new calls their types
+    for b in bindings:
+        if b.var not in candidates:
+            continue
+        call = b.value
+        args = list(call.args[1].fields)
         prim = mod[call.args[0]]
         n_out = len(call.ty.fields) if isinstance(call.ty, relax.TupleType) else 1
-        inplace = _safe(prim, len(args), n_out, inplace)
+        inplace = _safe(prim, len(args), n_out, candidates[b.var])
+        inplace = {k: j for k, j in inplace.items() if _same_point(prim, j, len(args) + k)}
         if not inplace:
             continue
-        name = _fresh(f"{call.args[0].name_hint}_inplace", names)
-        kernel = _in_place_prim(prim, len(args), n_out, inplace)
         indices = [inplace.get(k, -1) for k in range(n_out)]
         out_ty = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else [call.ty]
-        gv = tvm.ir.GlobalVar(name)
-        relax.expr._update_type(gv, kernel.ty)
-        kernels[gv] = kernel
-        new_values[b.var] = relax.call_tir_inplace(gv, call.args[1], indices, out_ty)
+        key = (call.args[0].name_hint, tuple(indices))
+        if key not in made:  # one in-place kernel for all the calls alike
+            kernel = _pending(prim, len(args), n_out, inplace)
+            made[key] = tvm.ir.GlobalVar(_fresh(f"{call.args[0].name_hint}_inplace", names))
+            relax.expr._update_type(made[key], kernel.ty)
+            kernels[made[key]] = kernel
+        gv = made[key]
+        new_values[b.var] = normalizer.normalize(
+            relax.call_tir_inplace(gv, call.args[1], indices, out_ty))
     if not new_values:
         return func, {}
 
@@ -225,6 +352,100 @@ def _safe(prim, n_args: int, n_out: int, inplace: dict[int, int]) -> dict[int, i
         if ok:
             safe[k] = j
     return safe
+
+
+def _same_point(prim, j: int, o: int) -> bool:
+    """Whether in ``prim`` (unscheduled) output parameter ``o`` at each point depends on
+    argument ``j`` at that point only, whatever the schedule: every block reading ``j`` or a
+    buffer computed from it is spatial and reads those buffers, and writes, at its own
+    iteration point (in the row-major order of each buffer, so a reshape's reads count), over
+    a domain of the output's size; so does every block writing ``o``. A schedule may then
+    inline, reorder, vectorize and parallelize as it likes: each point still reads ``j``
+    before it writes it, and no other point reads it."""
+    params = list(prim.params)
+    arg, out = params[j], params[o]
+    size = _size(out.ty.shape)
+    if size is None:
+        return False
+    tainted = [arg]
+
+    def is_tainted(buffer) -> bool:
+        return any(buffer.same_as(t) for t in tainted)
+
+    for _, realize in _blocks(prim):
+        block = realize.block
+        reads_tainted = any(is_tainted(r.source) for r in block.reads)
+        writes_out = any(w.source.same_as(out) for w in block.writes)
+        if not (reads_tainted or writes_out):
+            continue
+        if not all(isinstance(v, tirx.Var) for v in realize.iter_values):
+            return False
+        domain = [iv.dom.extent for iv in block.iter_vars]
+        if (any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars)
+                or _size(domain) != size):
+            return False
+        analyzer = Analyzer()
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+        point = _offset([iv.var for iv in block.iter_vars], domain)
+        regions = [r for r in block.reads if is_tainted(r.source)] + list(block.writes)
+        for region in regions:
+            if (any(not (isinstance(r.extent, tirx.IntImm) and int(r.extent.value) == 1)
+                    for r in region.region)
+                    or not analyzer.can_prove_equal(
+                        _offset([r.min for r in region.region], region.source.ty.shape), point)):
+                return False
+        tainted.extend(w.source for w in block.writes)
+    return True
+
+
+def _size(shape) -> int | None:
+    n = 1
+    for d in shape:
+        if not isinstance(d, tirx.IntImm):
+            return None
+        n *= int(d.value)
+    return n
+
+
+def _offset(indices, shape):
+    """The row-major offset of ``indices`` in ``shape``."""
+    offset = tirx.const(0, "int64")
+    for index, extent in zip(indices, shape):
+        offset = offset * tirx.Cast("int64", extent) + tirx.Cast("int64", index)
+    return offset
+
+
+#: A pending in-place kernel's out-of-place original, which the schedule step schedules
+#: before making it in place (TVM's scheduling primitives refuse a block that reads and writes
+#: one buffer), and ``[n_args, n_out, output, argument, ...]``
+OUT_OF_PLACE, IN_PLACE_MAP = "relaxgrad.out_of_place", "relaxgrad.in_place_map"
+
+
+def _pending(prim, n_args: int, n_out: int, inplace: dict[int, int]):
+    """``prim`` in place (:func:`_in_place_prim`), carrying its original for the schedule
+    step (:func:`scheduled_in_place`)."""
+    flat = [n_args, n_out] + [x for k in sorted(inplace) for x in (k, inplace[k])]
+    return _in_place_prim(prim, n_args, n_out, inplace).with_attrs(
+        {OUT_OF_PLACE: prim, IN_PLACE_MAP: flat})
+
+
+def pending(prim) -> bool:
+    """Whether ``prim`` is an in-place kernel whose original the schedule step schedules."""
+    return prim.attrs is not None and OUT_OF_PLACE in prim.attrs
+
+
+def scheduled_in_place(prim, schedule):
+    """A pending in-place ``prim`` scheduled: ``schedule(original)`` (None when no rule
+    schedules it) made in place; else ``prim`` itself, its loops naive, without the
+    pending attributes."""
+    scheduled = schedule(prim.attrs[OUT_OF_PLACE])
+    flat = [int(x) for x in prim.attrs[IN_PLACE_MAP]]
+    if scheduled is None:
+        return prim.without_attr(OUT_OF_PLACE).without_attr(IN_PLACE_MAP)
+    n_args, n_out, pairs = flat[0], flat[1], flat[2:]
+    inplace = dict(zip(pairs[0::2], pairs[1::2]))
+    return _in_place_prim(scheduled, n_args, n_out, inplace)
 
 
 def _in_place_prim(prim, n_args: int, n_out: int, inplace: dict[int, int]):

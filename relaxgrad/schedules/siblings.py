@@ -32,7 +32,7 @@ from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
 
 from .. import _ty
-from ._common import static_shape, with_dataflow_blocks
+from ._common import is_op, static_shape, with_dataflow_blocks
 from .columns import _is_call_tir
 
 _EXTERN = ("tirx.call_extern", "tirx.call_packed", "tirx.call_pure_extern")
@@ -90,8 +90,11 @@ class _Merger:
         groups: list[_Group] = []  # the open ones: they may still move down
         for index, binding in enumerate(bindings):
             reads = set(relax.analysis.free_vars(binding.value))
-            groups = [g for g in groups  # a group read here stays before this binding
-                      if not reads & g.outs and index - g.since <= self.window]  # fmt: skip
+            written = _overwritten(binding.value)
+            groups = [g for g in groups  # a group read here stays before this binding, and
+                      # one reading what this binding overwrites (in place) too
+                      if not reads & g.outs and not written & set(g.args)
+                      and index - g.since <= self.window]  # fmt: skip
             kernel = self._kernel(binding)
             if kernel is None:
                 out.append(binding)
@@ -154,6 +157,14 @@ class _Merger:
         for i, member in enumerate(group.members):
             bindings.append(relax.VarBinding(member.var, relax.TupleGetItem(results, i)))
         return bindings
+
+
+def _overwritten(value) -> set:
+    """The vars a ``call_tir_inplace`` writes into (none for any other value)."""
+    if not is_op(value, tvm.ir.Op.get("relax.call_tir_inplace")):
+        return set()
+    fields = value.args[1].fields if isinstance(value.args[1], relax.Tuple) else [value.args[1]]
+    return {fields[int(i)] for i in value.attrs.inplace_indices if int(i) >= 0}
 
 
 def _itemsize(var) -> int:

@@ -27,6 +27,7 @@ from .columns import ColumnLocal
 from .cpu import ParallelLoops, TiledMatmul
 from .gpu import FullReduction
 from .groups import RowColumnLocal
+from .inplace import pending, scheduled_in_place
 from .rows import RowLocal
 
 _log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class _ScheduleStep:
         return with_functions(mod, updates)
 
     def _schedule(self, name: str, func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
+        if pending(func):  # an in-place kernel: its out-of-place original, scheduled
+            return scheduled_in_place(func, lambda f: self._schedule(name, f, target))
         self._refuse(name, func)
         tried = []
         func = without_unit_reductions(func)  # which dlight's normalization mishandles

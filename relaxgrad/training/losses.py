@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Literal
 
-from tvm import relax
+from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.relax import op
 
@@ -126,6 +126,9 @@ class CrossEntropyLoss(Loss):
         self.ignore_index = ignore_index
 
     def emit(self, bb, prediction, target):
+        if (not _ty.is_float_tensor(target) and _ty.ndim_of(prediction) == 2
+                and all(isinstance(d, tirx.IntImm) for d in _ty.shape_values(prediction))):
+            return self._labels(bb, prediction, target)
         log_probs = bb.emit(op.nn.log_softmax(prediction))
         if not _ty.is_float_tensor(target):
             return bb.emit(op.nn.nll_loss(log_probs, target, reduction=self.reduction,
@@ -136,6 +139,32 @@ class CrossEntropyLoss(Loss):
 
     def target_type(self, prediction):
         return relax.TensorType(_ty.shape_values(prediction)[:1], "int64")
+
+    def _labels(self, bb, logits, labels):
+        """The loss of ``(batch, classes)`` logits against integer labels, from the logits
+        themselves: a row's loss is ``lse - logits[label]`` with ``lse = m + log(sum(exp(logits
+        - m)))`` (``m`` the row's maximum, through which no gradient flows: ``lse``'s gradient
+        is the softmax for any ``m``). No tensor of the logits' size is kept for the backward
+        pass but the logits, and their gradient, ``(softmax - onehot(label)) * g``, is one
+        elementwise kernel: a log-softmax over a 150k-token vocabulary would keep a second
+        ``tokens x vocabulary`` tensor (``log_softmax`` then ``nll_loss`` hold the same value).
+        For static shapes; a symbolic batch goes through ``log_softmax`` and ``nll_loss``."""
+        classes = int(_ty.shape_values(logits)[1])
+        dtype = _ty.dtype_of(logits)
+        top = bb.emit(op.grad.no_grad(op.max(logits, axis=1, keepdims=True)))
+        total = bb.emit(op.sum(op.exp(op.subtract(logits, top)), axis=1))
+        lse = bb.emit(op.add(op.log(total), op.squeeze(top, [1])))
+        hit = op.equal(op.expand_dims(labels, 1), op.arange(0, classes, 1, _ty.dtype_of(labels)))
+        picked = bb.emit(op.sum(op.where(hit, logits, relax.const(0, dtype)), axis=1))
+        scored = bb.emit(op.astype(op.not_equal(labels, relax.const(self.ignore_index,
+                                                                    _ty.dtype_of(labels))), dtype))
+        rows = bb.emit(op.multiply(op.subtract(lse, picked), scored))
+        if self.reduction == "none":
+            return rows
+        total_loss = bb.emit(op.sum(rows))
+        if self.reduction == "sum":
+            return total_loss
+        return bb.emit(op.divide(total_loss, op.sum(scored)))
 
 
 def append_loss(

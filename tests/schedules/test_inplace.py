@@ -96,3 +96,91 @@ def test_kernel_reading_an_old_value_after_its_update_is_refused():
     shifted = te.compute((8,), lambda i: p[(i + 1) % 8] - g[i], name="shifted")
     prim = te.create_prim_func([p, g, shifted])
     assert _safe(prim, 2, 1, {0: 0}) == {}
+
+
+def _cross_entropy(n: int, classes: int):
+    """``mean(-log_softmax(x @ w)[y])`` and its gradient of ``w``: a loss adjoint whose
+    log-softmax and loss gradient (n x classes, 1 MiB or more) may overwrite their inputs."""
+    from relaxgrad.training import CrossEntropyLoss
+    from relaxgrad.training.trainer import training_module
+
+    x = relax.Var("x", relax.TensorType((n, 16), "float32"))
+    w = relax.Var("w", relax.TensorType((16, classes), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.matmul(x, w)))
+        bb.emit_func_output(out)
+    return training_module(bb.get(), ["w"], CrossEntropyLoss(), SGD(0.1))
+
+
+def _bytes(prim) -> int:
+    """The bytes of the kernel's largest float32 parameter."""
+    return max(int(np.prod([int(d) for d in p.ty.shape])) * 4 for p in prim.params
+               if hasattr(p.ty, "shape"))
+
+
+def _kernels(mod) -> list[str]:
+    return [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
+def test_large_temporaries_are_overwritten_with_the_same_gradients(monkeypatch):
+    """The gradient of a 256 x 2048 cross-entropy (2 MiB) overwrites the logits, scheduled as
+    out of place (vectorized, parallel); gradients bitwise as without, the function's own
+    arguments untouched, and PyTorch's in float64."""
+    from relaxgrad import pipeline
+    from relaxgrad.schedules.inplace import UpdateInPlace
+
+    mod = _cross_entropy(256, 2048)
+    target = pipeline.host_target()
+    with target:
+        lowered = pipeline.cpu_pipeline(target)(mod)
+    inplace = [lowered[k] for k in _kernels(lowered) if "_inplace" in k]
+    assert any(_bytes(f) == 256 * 2048 * 4 and "T.parallel" in f.script() for f in inplace)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 16)).astype("float32")
+    w = rng.standard_normal((16, 2048)).astype("float32")
+    y = rng.integers(0, 2048, 256)
+    results = []
+    for temporaries in (True, False):
+        if not temporaries:
+            monkeypatch.setattr(pipeline, "UpdateInPlace", lambda: UpdateInPlace(None))
+        vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+        args = [tvm.runtime.tensor(a) for a in (x, w, y)]
+        loss, (grad,) = vm["main_loss_adjoint"](*args)
+        np.testing.assert_array_equal(args[0].numpy(), x)
+        np.testing.assert_array_equal(args[1].numpy(), w)
+        results.append((loss.numpy(), grad.numpy()))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    import torch
+
+    tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(torch.tensor(x, dtype=torch.float64) @ tw,
+                                            torch.tensor(y))
+    ref.backward()
+    np.testing.assert_allclose(results[0][1], tw.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_temporary_read_later_through_a_view_is_not_overwritten():
+    """``b = exp(a)`` may not overwrite ``a`` when a reshape of ``a`` (a view) is read after
+    it, nor overwrite a parameter."""
+    from relaxgrad.schedules.inplace import UpdateInPlace
+
+    x = relax.Var("x", relax.TensorType((512, 512), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.add(x, relax.const(1.0)))
+            view = bb.emit(relax.op.reshape(a, (512 * 512,)))
+            b = bb.emit(relax.op.exp(a))
+            c = bb.emit(relax.op.exp(x))
+            out = bb.emit_output(relax.Tuple([b, c, bb.emit(relax.op.sum(view))]))
+        bb.emit_func_output(out)
+    mod = relax.transform.FuseTIR()(relax.transform.LegalizeOps()(bb.get()))
+    assert not [k for k in _kernels(UpdateInPlace(1 << 10)(mod)) if "inplace" in k]
+    vm = relax.VirtualMachine(relaxgrad.compile(bb.get()), tvm.cpu())
+    value = np.random.default_rng(0).standard_normal((512, 512)).astype("float32") * 0.1
+    b, c, total = vm["main"](tvm.runtime.tensor(value))
+    np.testing.assert_allclose(total.numpy(), (value + 1).sum(), rtol=1e-4)
+    np.testing.assert_allclose(b.numpy(), np.exp(value + 1), rtol=1e-6)
