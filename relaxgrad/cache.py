@@ -2,7 +2,9 @@
 (in another process, or the next run of a script), is loaded instead of built.
 
 :func:`relaxgrad.compile` uses it when called with ``cache=True`` (the Trainer and the CLI do).
-An entry is the library that ``VMExecutable.export_library`` writes, keyed by
+A miss returns the library it stored, loaded, rather than the build (whose in-memory LLVM
+module would stay alive with it; see :func:`reloaded`). An entry is the library that
+``VMExecutable.export_library`` writes, keyed by
 
 - the module's structural hash (``tvm_ffi.structural_hash``: names, types and constants alike),
 - the target (its JSON form) and the ``PassContext``'s opt level and config,
@@ -18,6 +20,7 @@ folder to empty the cache (:func:`clear`).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import logging
@@ -35,7 +38,7 @@ from tvm.target import Target
 
 from ._version import __version__
 
-__all__ = ["cache_dir", "cached", "clear", "enabled"]
+__all__ = ["cache_dir", "cached", "clear", "enabled", "reloaded"]
 
 _log = logging.getLogger(__name__)
 
@@ -93,7 +96,42 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
             _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)
     executable = build()
     _store(executable, path)
-    return executable
+    if not path.exists():
+        return executable
+    # a private copy of the stored library, loaded, rather than the build (see reloaded())
+    return reloaded(executable, load or (lambda p: relax.VMExecutable(
+        tvm.runtime.load_module(p))), lambda file: shutil.copyfile(path, file))
+
+
+def reloaded(executable, load: Callable[[str], relax.VMExecutable],
+             write: Callable[[str], None] | None = None):
+    """``executable`` exported to a library in this process's temporary folder (or written
+    there by ``write(path)``) and loaded from there (by ``load``), or ``executable`` itself
+    when that fails.
+
+    A CPU build keeps LLVM's in-memory module and JIT-compiled code alive as long as its
+    executable (hundreds of MiB for a large model: 470 MiB of a ResNet-50's training step),
+    where the loaded library maps only its machine code. The file is deleted when the process
+    ends."""
+    folder = _process_folder()
+    fd, path = tempfile.mkstemp(dir=folder, suffix=".so")
+    os.close(fd)
+    try:
+        if write is not None:
+            write(path)
+        else:
+            executable.export_library(path)
+        return load(path)
+    except Exception as err:  # noqa: BLE001 (the build serves as well)
+        _log.warning("relaxgrad: cannot reload the executable from %s (%s)", path, err)
+        return executable
+
+
+@functools.cache
+def _process_folder() -> str:
+    folder = tempfile.mkdtemp(prefix="relaxgrad-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _loadable(target: Target) -> bool:

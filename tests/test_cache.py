@@ -133,3 +133,22 @@ def test_no_entry_for_a_target_this_process_cannot_load(cache_dir, counted, capl
         relaxgrad.compile(mod, {"kind": "cuda", "arch": "sm_90"}, cache=True)
     assert len(counted) == 2 and not list(cache_dir.glob("*.so"))
     assert "cannot load" not in caplog.text
+
+
+def test_a_trainer_holds_a_loaded_library_not_its_build(monkeypatch):
+    """Built without the cache, the Trainer's executable is the library exported and loaded
+    back (a build keeps LLVM's module in memory), and it trains as the build does."""
+    monkeypatch.setenv("RELAXGRAD_CACHE", "0")
+    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, mlp
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 12)).astype("float32"), rng.integers(0, 3, 8)
+    losses = []
+    for reload in (True, False):
+        if not reload:
+            monkeypatch.setattr("relaxgrad.training.trainer.reloaded", lambda e, load: e)
+        trainer = Trainer.for_model(mlp(8, in_features=12, hidden=(6,), num_classes=3),
+                                    CrossEntropyLoss(), SGD(0.1), cache=False, progress=False)
+        assert (trainer.executable.library is not None) == reload
+        losses.append([trainer.step(x, y) for _ in range(3)])
+    assert losses[0] == losses[1]

@@ -16,6 +16,7 @@ from tvm.ir import IRModule
 
 from .. import _ty, pipeline
 from .._module import with_function
+from ..cache import reloaded
 from ..ops import random
 from ..transforms import Gradient
 from ..transforms.mixed_precision import MixedPrecision
@@ -916,7 +917,11 @@ def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExec
     if ticker is not None:
         ticker.start()
     try:
-        return pipeline.compile(mod, target, cache=cache)
+        executable = pipeline.compile(mod, target, cache=cache)
+        if isinstance(executable, pipeline.Executable) and executable.library is None:
+            # the library, loaded, rather than the build and its LLVM module (as the cache)
+            return reloaded(executable, pipeline._load_cached)
+        return executable
     finally:
         stop.set()
         if ticker is not None:
