@@ -142,9 +142,9 @@ class CrossEntropyLoss(Loss):
 
     def _labels(self, bb, logits, labels):
         """The loss of ``(batch, classes)`` logits against integer labels, from the logits
-        themselves: a row's loss is ``lse - logits[label]`` with ``lse = m + log(sum(exp(logits
-        - m)))`` (``m`` the row's maximum, through which no gradient flows: ``lse``'s gradient
-        is the softmax for any ``m``). No tensor of the logits' size is kept for the backward
+        themselves: a row's loss is ``(m - logits[label]) + log(sum(exp(logits - m)))`` (``m``
+        the row's maximum, through which no gradient flows: the gradient is the softmax minus
+        the one-hot label for any ``m``). No tensor of the logits' size is kept for the backward
         pass but the logits, and their gradient, ``(softmax - onehot(label)) * g``, is one
         elementwise kernel: a log-softmax over a 150k-token vocabulary would keep a second
         ``tokens x vocabulary`` tensor (``log_softmax`` then ``nll_loss`` hold the same value).
@@ -153,12 +153,14 @@ class CrossEntropyLoss(Loss):
         dtype = _ty.dtype_of(logits)
         top = bb.emit(op.grad.no_grad(op.max(logits, axis=1, keepdims=True)))
         total = bb.emit(op.sum(op.exp(op.subtract(logits, top)), axis=1))
-        lse = bb.emit(op.add(op.log(total), op.squeeze(top, [1])))
         hit = op.equal(op.expand_dims(labels, 1), op.arange(0, classes, 1, _ty.dtype_of(labels)))
         picked = bb.emit(op.sum(op.where(hit, logits, relax.const(0, dtype)), axis=1))
         scored = bb.emit(op.astype(op.not_equal(labels, relax.const(self.ignore_index,
                                                                     _ty.dtype_of(labels))), dtype))
-        rows = bb.emit(op.multiply(op.subtract(lse, picked), scored))
+        # (m - picked) + log(total), in PyTorch's order: exact 0 + log(1 + tiny) when the
+        # label's logit is the largest, where lse - picked would lose a small loss's digits
+        rows = bb.emit(op.multiply(op.add(op.subtract(op.squeeze(top, [1]), picked),
+                                          op.log(total)), scored))
         if self.reduction == "none":
             return rows
         total_loss = bb.emit(op.sum(rows))
