@@ -16,7 +16,8 @@ transformers' ``"eager"`` implementation everywhere.
   runs under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 - *relaxgrad*: :func:`relaxgrad.training.from_torch` of the plain model, then
   :func:`relaxgrad.training.lora` with the same targets, the adapters initialized to PEFT's
-  (copied from a PEFT model of the same seed), ``Trainer(precision=...)``; the PyTorch model is
+  (copied from a PEFT model of the same seed), ``Trainer(precision=..., share_frozen=True)``
+  (the frozen weights read in the PyTorch module's tensors, not copied); the PyTorch model is
   dropped once the Trainer holds the weights.
 
 Each (precision, framework) runs in a child process of its own, ``--runs`` rounds in rotated
@@ -143,7 +144,7 @@ def relaxgrad_step(precision: str, base, tokens):
     for name in model.params:
         model.params[name] = initial[name.removeprefix("model.")].numpy().copy()
     trainer = Trainer.for_model(model, CrossEntropyLoss(), AdamW(LR), precision=precision,
-                                cache=False, progress=False)
+                                cache=False, progress=False, share_frozen=True)
     y = tokens[:, 1:].reshape(-1)
     return lambda: trainer.step(x, y)
 

@@ -75,10 +75,7 @@ class Trainer:
         Type of the loss target; by default derived from the result by ``loss.target_type``.
     buffers : Mapping[str, np.ndarray], optional
         Initial values of non-trainable parameters the Trainer feeds (e.g. BatchNorm's
-        running statistics), by parameter name. On the CPU, a buffer that no step replaces
-        (a frozen weight, e.g. a LoRA base's) shares the given array's memory when it is
-        C-contiguous and 64-byte aligned (as PyTorch's tensors are) instead of being copied:
-        the Trainer never writes it, and changing the array changes what the Trainer reads.
+        running statistics), by parameter name; copied (see ``share_frozen``).
     updates : sequence of str
         Buffers replaced after each step by fields ``1, 2, ...`` of the model's tuple result
         (as PyTorch updates BatchNorm's running statistics in train mode).
@@ -128,6 +125,13 @@ class Trainer:
     check_inputs : bool
         Check every batch for NaN and infinity before any compute, naming the input that
         holds one (a debug option: a pass over the batch on the host).
+    share_frozen : bool
+        On the CPU, read each buffer that no step replaces (a frozen weight: a LoRA base's,
+        any ``requires_grad=False`` weight of ``from_torch``) in the array given, zero-copy,
+        when it is C-contiguous and 64-byte aligned (PyTorch's tensors are), instead of a copy:
+        the weights are then held once while the PyTorch module is kept. The Trainer never
+        writes them; the caller must not either while the Trainer is used (merging adapters
+        into the module, ``load_state_dict``), or the Trainer reads the new values.
     precision : {"fp32", "bf16", "fp16"}
         ``"bf16"`` and ``"fp16"`` run the model's matrix products and convolutions, forward and
         backward, in bfloat16 or float16 with float32 accumulation
@@ -173,6 +177,7 @@ class Trainer:
         on_nonfinite: str = "raise",
         check_inputs: bool = False,
         precision: str = "fp32",
+        share_frozen: bool = False,
     ):
         buffers = dict(buffers or {})
         model = _with_precision(model, precision, {func_name, eval_func or func_name})
@@ -218,11 +223,9 @@ class Trainer:
             self._to_device(params[name], loss_func.params[i], "parameter")
             for i, name in zip(self._param_pos, self.param_names)
         ]
-        # a frozen buffer (one no step replaces) is shared with the caller's array where it can
-        # be: a LoRA base's weights are then held once, not copied next to the model's
         self._buffers = {
             name: self._to_device(buffers[name], loss_func.params[i], "buffer",
-                                  share=name not in self.updates)
+                                  share=share_frozen and name not in self.updates)
             for i, name in zip(self._buffer_pos, self.buffer_names)
         }
         self.state_keys: tuple[str, ...] | None = None

@@ -233,13 +233,20 @@ def test_a_killed_lora_fine_tune_resumes_to_the_uninterrupted_run(tmp_path):
 
 
 def test_frozen_weights_are_held_once(case):
-    """The Trainer reads the base's frozen weights (every linear, embedding and norm weight) in
-    the PyTorch module's own memory, not a copy; the steps above left them as they were."""
-    base, model, trainer, x, y = case
+    """With ``share_frozen``, the Trainer reads the base's frozen weights (every linear,
+    embedding and norm weight) in the PyTorch module's own memory, not a copy, and trains as
+    with copies; without, it copies them."""
+    base, model, copied, x, y = case
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), AdamW(1e-2), progress=False,
+                                share_frozen=True)
+    reference = Trainer.for_model(model, CrossEntropyLoss(), AdamW(1e-2), progress=False)
+    assert [trainer.step(x, y) for _ in range(2)] == [reference.step(x, y) for _ in range(2)]
     frozen = [name for name in trainer._buffers if name not in trainer.updates]
     assert len(frozen) == 2 * 9 + 3  # 9 weights a layer, the embedding, the final norm, lm_head
     for name in frozen:
         assert np.from_dlpack(trainer._buffers[name]).ctypes.data == (
+            model.buffers[name].ctypes.data), name
+        assert np.from_dlpack(copied._buffers[name]).ctypes.data != (
             model.buffers[name].ctypes.data), name
     weights = {"model." + k: v for k, v in base.state_dict().items()}
     for name in frozen:
