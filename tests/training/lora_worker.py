@@ -8,6 +8,7 @@ import signal
 import sys
 
 import numpy as np
+import torch
 
 KILLED_AT = 5
 ROWS, SEQ, VOCAB, BATCH, EPOCHS = 8, 8, 48, 2, 3
@@ -21,27 +22,29 @@ def data():
     return x, y
 
 
+class Logits(torch.nn.Module):
+    """A causal LM's logits, one row per token."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        logits = self.model(ids).logits
+        return logits.reshape(-1, logits.shape[-1])
+
+
 def trainer():
-    import torch
     import transformers as tf
 
     from relaxgrad.training import AdamW, CrossEntropyLoss, Trainer, from_torch, lora, schedules
-
-    class Flat(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            logits = self.model(ids).logits
-            return logits.reshape(-1, logits.shape[-1])
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                             max_position_embeddings=32, use_cache=False, attention_dropout=0.2)
     config._attn_implementation = "eager"
-    net = Flat(tf.LlamaForCausalLM(config)).train()
+    net = Logits(tf.LlamaForCausalLM(config)).train()
     x, _ = data()
     model = lora(from_torch(net, (torch.from_numpy(x[:BATCH]),)), ["q_proj", "v_proj"], r=4,
                  alpha=8, seed=3)

@@ -28,18 +28,10 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from .lora_worker import Logits  # noqa: E402
+
 BATCH, SEQ, VOCAB = 2, 8, 48
 TARGETS = ["q_proj", "v_proj"]
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        logits = self.model(ids).logits
-        return logits.reshape(-1, logits.shape[-1])
 
 
 def _llama():
