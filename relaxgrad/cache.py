@@ -87,11 +87,10 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
     if not enabled() or len(context.instruments) > 0 or not _loadable(target):
         return build()
     path = cache_dir() / f"{_key(mod, target, context)}.so"
+    load = load or (lambda file: relax.VMExecutable(tvm.runtime.load_module(file)))
     if path.exists():
         try:
-            if load is not None:
-                return load(str(path))
-            return relax.VMExecutable(tvm.runtime.load_module(str(path)))
+            return load(str(path))
         except Exception as err:  # noqa: BLE001 (a broken entry is built again)
             _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)
     executable = build()
@@ -99,8 +98,7 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
     if not path.exists():
         return executable
     # a private copy of the stored library, loaded, rather than the build (see reloaded())
-    return reloaded(executable, load or (lambda p: relax.VMExecutable(
-        tvm.runtime.load_module(p))), lambda file: shutil.copyfile(path, file))
+    return reloaded(executable, load, lambda file: shutil.copyfile(path, file))
 
 
 def reloaded(executable, load: Callable[[str], relax.VMExecutable],

@@ -119,6 +119,14 @@ def with_dataflow_blocks(func: relax.Function, rewrite: Callable[[list], list | 
     return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
 
 
+def is_reshape_kernel(func) -> bool:
+    """Whether ``func`` is a PrimFunc that TVM's ``has_reshape_pattern`` calls a reshape (which
+    ``RewriteDataflowReshape`` turns into a view); that check raises on a function without a
+    root block (a BLAS call), which is none."""
+    return isinstance(func, tirx.PrimFunc) and isinstance(func.body, s_tir.SBlockRealize) \
+        and relax.analysis.has_reshape_pattern(func)
+
+
 def is_op(expr, op: Op) -> bool:
     """Whether ``expr`` is a call of the operator ``op``."""
     return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)

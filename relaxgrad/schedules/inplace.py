@@ -37,6 +37,8 @@ from tvm import relax, s_tir, tirx
 from tvm.ir import IRModule
 from tvm.sym import Analyzer
 
+from ._common import is_reshape_kernel
+
 __all__ = ["IN_PLACE", "UpdateInPlace", "pending", "scheduled_in_place"]
 
 #: The attribute of an optimizer function whose results may overwrite its parameters and state
@@ -188,13 +190,7 @@ def _computing(mod: IRModule, value) -> bool:
     if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
         return False
     prim = mod[value.args[0]]
-    return isinstance(prim, tirx.PrimFunc) and not _is_reshape(prim)
-
-
-def _is_reshape(prim) -> bool:
-    """TVM's test (a kernel without blocks, e.g. a BLAS call, is none)."""
-    return isinstance(prim.body, s_tir.SBlockRealize) and relax.analysis.has_reshape_pattern(
-        prim)
+    return isinstance(prim, tirx.PrimFunc) and not is_reshape_kernel(prim)
 
 
 def _reshaped(mod: IRModule, value):
@@ -203,19 +199,15 @@ def _reshaped(mod: IRModule, value):
         return value.args[0]
     if (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)
             and len(value.args[1].fields) == 1
-            and isinstance(mod[value.args[0]], tirx.PrimFunc) and _is_reshape(mod[value.args[0]])):
+            and is_reshape_kernel(mod[value.args[0]])):
         return value.args[1].fields[0]
     return None
 
 
 def _bytes(ty) -> int:
-    shape = [d for d in ty.shape.values] if getattr(ty, "shape", None) is not None else None
-    if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape):
-        return 0
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * tvm.DataType(ty.dtype).bits // 8
+    """A tensor type's bytes; 0 unless its shape is static."""
+    size = _size(ty.shape.values) if getattr(ty, "shape", None) is not None else None
+    return 0 if size is None else size * tvm.DataType(ty.dtype).bits // 8
 
 
 def _apply(mod: IRModule, func: relax.Function, candidates: dict):

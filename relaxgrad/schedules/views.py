@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import relax, s_tir
+from tvm import relax
 from tvm.ir import IRModule, Op
 
 from .. import _ty
 from .._module import with_functions
-from ._common import is_op, static_shape, with_dataflow_blocks
+from ._common import is_op, is_reshape_kernel, static_shape, with_dataflow_blocks
 
 _CALL_TIR = Op.get("relax.call_tir")
 _FRESH = (_CALL_TIR, Op.get("relax.call_dps_packed"))
@@ -45,11 +45,7 @@ class ReshapeOutputs:
 
         def is_reshape(gvar) -> bool:
             if gvar not in reshapes:
-                func = mod.functions.get(gvar)
-                # (TVM's check raises on a function without a root block: BLAS calls)
-                reshapes[gvar] = isinstance(func, tvm.tirx.PrimFunc) and \
-                    isinstance(func.body, s_tir.SBlockRealize) and \
-                    relax.analysis.has_reshape_pattern(func)
+                reshapes[gvar] = is_reshape_kernel(mod.functions.get(gvar))
             return reshapes[gvar]
 
         def rewrite(bindings: list) -> list | None:
