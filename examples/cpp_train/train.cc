@@ -11,9 +11,10 @@
 //   (params, optim, (norm,)) = optimizer(params, grads, optim, controls)
 // controls are the learning rate, the clipping norm and a gradient multiplier (0-d float32
 // tensors): the manifest's "controls" lr and max_norm (null: no clipping); artifacts with a
-// learning-rate schedule or a float16 loss scale are the Python runner's. A step whose loss or gradient norm is not finite
-// stops the program, the state file untouched. CPU artifacts only (no buffers updated by the
-// model), float32 parameters.
+// learning-rate schedule or a float16 loss scale are the Python runner's. A step whose loss or
+// gradient norm is not finite stops the program, the state file untouched. Frozen weights (a
+// LoRA base's) are read from the manifest's "frozen" file and not written back. CPU artifacts
+// only (no buffers updated by the model), float32 parameters.
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
@@ -105,6 +106,11 @@ int main(int argc, char** argv) {
   Params state = Global("runtime.LoadParamsFromFile")(folder + "/" + Str(manifest["state"]))
                      .cast<Params>();
   Params data = Global("runtime.LoadParamsFromFile")(std::string(argv[2])).cast<Params>();
+  Params frozen;  // the buffers no step replaces, by argument name
+  if (manifest["frozen"] != nullptr) {
+    frozen = Global("runtime.LoadParamsFromFile")(folder + "/" + Str(manifest["frozen"]))
+                 .cast<Params>();
+  }
   ffi::Array<Tensor> params, optim;
   for (const ffi::Any& name : param_names) params.push_back(state["param:" + Str(name)]);
   for (const ffi::Any& name : optim_names) optim.push_back(state[Str(name)]);
@@ -132,6 +138,8 @@ int main(int argc, char** argv) {
       std::string kind = Str(arg["kind"]);
       if (kind == "input") {
         keep.push_back(Rows(data[Str(arg["name"])], step * batch, batch));
+      } else if (kind == "buffer") {
+        keep.push_back(frozen["buffer:" + Str(arg["name"])]);
       } else {
         keep.push_back(params[p++]);
       }

@@ -5,7 +5,9 @@ model function and the per-sample loss), the parameters, buffers and optimizer s
 :mod:`relaxgrad.training.state`'s format (``state.params``, the file ``Trainer.save`` writes and
 ``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments with
 their names, shapes and dtypes, the loss target's, the state's array order, optimizer, loss and
-target), and ``runner.py`` with ``state.py``, a training loop that needs only numpy and TVM's
+target), ``frozen.params`` where the model has frozen weights (buffers no step replaces: a LoRA
+base's), in the same format, apart from the state so that an inference deployment can share
+that file and a checkpoint stays the size of what trains, and ``runner.py`` with ``state.py``, a training loop that needs only numpy and TVM's
 runtime (:mod:`relaxgrad.training.runtime_runner`), and ``schedules.py``, the learning-rate
 schedules it computes (a schedule that is a function of the user's is not exported: the runner
 then trains at the optimizer's learning rate, with a warning here). A CPU library calling
@@ -26,10 +28,11 @@ from ..pipeline import Executable, resolve_target, target_device
 from ..schedules import blas, onednn
 from . import runtime_runner, schedules, state
 
-__all__ = ["LIBRARY", "STATE", "compile_device_code", "cuda_sources", "export_trainer"]
+__all__ = ["FROZEN", "LIBRARY", "STATE", "compile_device_code", "cuda_sources", "export_trainer"]
 
 LIBRARY = "train.so"
 STATE = "state.params"
+FROZEN = "frozen.params"
 
 
 def export_trainer(trainer, folder, target=None) -> dict:
@@ -64,6 +67,11 @@ def export_trainer(trainer, folder, target=None) -> dict:
     dnnl = _ship(folder, isinstance(executable, Executable) and executable.onednn_linked,
                  onednn.library_path)
     arrays, meta = trainer.state_arrays()
+    frozen = frozen_names(trainer.buffer_names, trainer.updates)
+    if frozen:
+        weights = {name: arrays.pop(name) for name in frozen}
+        state.write_state(os.path.join(folder, FROZEN), weights, {"format": 1})
+        meta["frozen"] = FROZEN
     state.write_state(os.path.join(folder, STATE), arrays, meta)
     device_code = compile_device_code(executable, target, folder)
     shutil.copy2(runtime_runner.__file__, os.path.join(folder, "runner.py"))
@@ -71,10 +79,16 @@ def export_trainer(trainer, folder, target=None) -> dict:
     shutil.copy2(schedules.__file__, os.path.join(folder, "schedules.py"))
     manifest = _manifest(trainer, target, shipped)
     manifest["onednn"] = dnnl
+    manifest["frozen"] = FROZEN if frozen else None
     manifest["device_code"] = device_code
     with open(os.path.join(folder, runtime_runner.MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
+
+
+def frozen_names(buffers, updates) -> list[str]:
+    """The state-array names (``buffer:<name>``) of the buffers no step replaces."""
+    return [f"buffer:{n}" for n in buffers if n not in updates]
 
 
 def _ship(folder: str, linked: bool, library_path) -> str | None:

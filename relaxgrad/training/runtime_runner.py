@@ -27,7 +27,8 @@ as the multiplier, and scale dynamically as the Trainer does: a step whose gradi
 (with a finite loss) is skipped and halves the scale, 2,000 finite steps double it.
 
 ``arguments`` are the model function's parameters in order (``manifest["arguments"]``: each an
-input, a parameter or a buffer); ``out`` is the loss, or ``(loss, *new buffer values)`` when
+input, a parameter or a buffer; a buffer no step replaces, a frozen weight, is read from the
+file ``manifest["frozen"]`` names, the others from the state); ``out`` is the loss, or ``(loss, *new buffer values)`` when
 the manifest lists ``updates``. ``predict`` runs the model function itself on the same
 arguments.
 """
@@ -86,6 +87,7 @@ class Runner:
             register_cuda_compiler(os.path.join(self.folder, CUDA_CODE))
         library = tvm.runtime.load_module(os.path.join(self.folder, self.manifest["library"]))
         self.vm = VirtualMachine(library, self.device)
+        self.frozen = self._read_frozen()
         self.load(state if state is not None else self.state_path)
 
     @property
@@ -94,18 +96,30 @@ class Runner:
         return os.path.join(self.folder, self.manifest["state"])
 
     def load(self, path) -> None:
-        """Take parameters, buffers, optimizer state and step count from a state file."""
+        """Take parameters, buffers, optimizer state and step count from a state file (the
+        frozen weights stay those of the folder's ``frozen.params``)."""
         arrays, self.meta = read_state(path)
+        trained = [n for n in self.manifest["buffers"] if n not in self.frozen]
         names = ([f"param:{n}" for n in self.manifest["params"]] + self.manifest["optim"]
-                 + [f"buffer:{n}" for n in self.manifest["buffers"]])  # fmt: skip
+                 + [f"buffer:{n}" for n in trained])  # fmt: skip
         missing = [n for n in names if n not in arrays]
         if missing:
             raise ValueError(f"Runner: {os.fspath(path)} lacks {missing}")
         tensor = self._tensor
         self.params = [tensor(arrays[f"param:{n}"]) for n in self.manifest["params"]]
-        self.buffers = {n: tensor(arrays[f"buffer:{n}"]) for n in self.manifest["buffers"]}
+        self.buffers = {n: self.frozen[n] if n in self.frozen else tensor(arrays[f"buffer:{n}"])
+                        for n in self.manifest["buffers"]}  # fmt: skip
         self.optim_state = [tensor(arrays[n]) for n in self.manifest["optim"]]
         self.steps = int(self.meta["steps"])
+
+    def _read_frozen(self) -> dict:
+        """The frozen weights (buffers no step replaces) from the folder's file, by name."""
+        name = self.manifest.get("frozen")
+        if not name:
+            return {}
+        arrays, _ = read_state(os.path.join(self.folder, name))
+        return {n: self._tensor(arrays[f"buffer:{n}"]) for n in self.manifest["buffers"]
+                if n not in self.manifest["updates"]}  # fmt: skip
 
     def step(self, inputs, target: np.ndarray) -> float:
         """One optimizer step on one batch; returns the loss before the update."""
@@ -153,9 +167,11 @@ class Runner:
         return (out if isinstance(out, tvm.runtime.Tensor) else out[0]).numpy()
 
     def state_arrays(self) -> tuple[dict[str, np.ndarray], dict]:
-        """The state as ``Trainer.state_arrays`` has it: named arrays and metadata."""
+        """The state as ``Trainer.state_arrays`` has it, named arrays and metadata, less the
+        frozen weights (in the folder's ``frozen.params``, which the metadata names)."""
         arrays = {f"param:{n}": p.numpy() for n, p in zip(self.manifest["params"], self.params)}
-        arrays.update({f"buffer:{n}": b.numpy() for n, b in self.buffers.items()})
+        arrays.update({f"buffer:{n}": b.numpy() for n, b in self.buffers.items()
+                       if n not in self.frozen})  # fmt: skip
         arrays.update({n: s.numpy() for n, s in zip(self.manifest["optim"], self.optim_state)})
         return arrays, {**self.meta, "steps": self.steps}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -376,6 +377,13 @@ class Trainer:
 
     def _load(self, path) -> None:
         arrays, meta = read_state(path)
+        if meta.get("frozen"):  # Trainer.export's state: the frozen weights in their own file
+            frozen = os.path.join(os.path.dirname(os.fspath(path)), meta["frozen"])
+            if not os.path.exists(frozen):
+                raise ValueError(f"Trainer.load: {path} keeps its frozen weights in "
+                                 f"{meta['frozen']} beside it (Trainer.export's folder), which "
+                                 f"is missing")
+            arrays.update(read_state(frozen)[0])
         wanted = self.state_arrays()[0]
         missing = sorted(set(wanted) - set(arrays))
         extra = sorted(set(arrays) - set(wanted))

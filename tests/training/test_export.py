@@ -20,6 +20,7 @@ from relaxgrad.training import (
     Trainer,
     cnn,
     export,
+    lora,
     mlp,
     runtime_runner,
 )
@@ -42,14 +43,18 @@ print("COMPILER", "libtvm_compiler" in maps, "RELAXGRAD", "relaxgrad" in sys.mod
 
 
 def _model(name):
-    """A small MLP whose first layer's matmuls go to OpenBLAS (32 x 256 x 128), and the small
-    CNN."""
+    """A small MLP whose first layer's matmuls go to OpenBLAS (32 x 256 x 128), the same with
+    LoRA adapters on both layers (its weights frozen), and the small CNN."""
     if name == "mlp":
         return mlp(32, in_features=256, hidden=(128,), seed=1), Adam(1e-2), (256,)
+    if name == "lora":
+        model = lora(mlp(32, in_features=256, hidden=(128,), seed=1), ["fc0", "fc1"], r=4,
+                     alpha=8, seed=3)  # fmt: skip
+        return model, Adam(1e-2), (256,)
     return cnn(8, image=(1, 8, 8), channels=(4, 8), seed=2), MomentumSGD(0.05, 0.9), (1, 8, 8)
 
 
-@pytest.fixture(scope="module", params=["mlp", "cnn"])
+@pytest.fixture(scope="module", params=["mlp", "cnn", "lora"])
 def exported(request, tmp_path_factory):
     """``(trainer, folder, data)``: the trainer exported at step 0, then trained in process
     for STEPS steps on consecutive batches of ``data`` (the runner's order)."""
@@ -71,8 +76,12 @@ def exported(request, tmp_path_factory):
 
 
 def _assert_state_matches(trainer, path, steps=STEPS):
+    """The state file at ``path`` holds ``trainer``'s state after ``steps`` steps, less the
+    frozen weights."""
     arrays, meta = read_state(path)
     expected, expected_meta = trainer.state_arrays()
+    for name in export.frozen_names(trainer.buffer_names, trainer.updates):
+        del expected[name]
     assert meta["steps"] == steps and meta["params"] == expected_meta["params"]
     assert sorted(arrays) == sorted(expected)
     for name, value in expected.items():  # the same kernels, maybe other thread splits
@@ -87,13 +96,25 @@ def test_manifest_names_what_the_runner_needs(exported):
     assert manifest["params"] == trainer.param_names
     assert manifest["optim"][0] == "optim:step"
     kinds = [a["kind"] for a in manifest["arguments"]]
-    assert kinds == ["input"] + ["param"] * len(trainer.param_names)
+    buffers = ["buffer"] * len(trainer.buffer_names)
+    assert sorted(kinds) == sorted(["input", *buffers] + ["param"] * len(trainer.param_names))
+    # The frozen weights (the LoRA model's) in their own file, the state without them.
+    state, _ = read_state(art / manifest["state"])
+    assert not [n for n in state if n.startswith("buffer:")]
+    if trainer.buffer_names:
+        frozen, _ = read_state(art / manifest["frozen"])
+        assert manifest["frozen"] == "frozen.params" and manifest["updates"] == []
+        assert sorted(frozen) == sorted(f"buffer:{n}" for n in trainer.buffer_names)
+        for name, value in trainer.buffers.items():
+            np.testing.assert_array_equal(frozen[f"buffer:{name}"], value)
+    else:
+        assert manifest["frozen"] is None and not (art / "frozen.params").exists()
     assert manifest["arguments"][0]["shape"] == [trainer.batch_size, *_model_shape(manifest)]
     assert manifest["target_input"]["dtype"] == "int64"
     for name in (manifest["library"], manifest["state"], "runner.py", "state.py"):
         assert (art / name).is_file()
     library = (art / manifest["library"]).read_bytes()
-    if "fc0_weight" in trainer.param_names:  # the MLP calls the OpenBLAS shipped beside it
+    if "fc0_weight" in trainer.param_names + trainer.buffer_names:  # the OpenBLAS beside it
         assert (art / manifest["blas"]).is_file() and b"scipy_cblas_sgemm" in library
 
 
@@ -118,12 +139,16 @@ def test_runtime_only_process_trains_like_the_trainer(exported, tmp_path):
     np.testing.assert_allclose(losses, trainer.history[:STEPS], rtol=1e-5)
     _assert_state_matches(trainer, art / "state.params")
 
-    # The Trainer resumes from what the runner wrote.
+    # The Trainer resumes from what the runner wrote (the frozen weights from their file).
     before = trainer.state_arrays()[0]
     trainer.load(art / "state.params")
     assert trainer.steps == STEPS
     for name, value in trainer.state_arrays()[0].items():
         np.testing.assert_allclose(value, before[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    if trainer.buffer_names:  # a state moved away from its frozen weights
+        shutil.copy(art / "state.params", tmp_path / "alone.params")
+        with pytest.raises(ValueError, match="frozen weights in frozen.params beside it"):
+            trainer.load(tmp_path / "alone.params")
 
 
 def test_runner_in_process_predicts_and_checks_inputs(exported):
