@@ -437,13 +437,22 @@ def forget_inlined() -> None:
 
 def _may_have(func: tirx.PrimFunc, least: int, reducing: bool) -> bool:
     """Whether ``func`` has ``least`` blocks, one of them not spatial if ``reducing``: inlining
-    only removes blocks, and leaves a spatial block's iterators spatial."""
+    only removes blocks, and leaves a spatial block's iterators spatial. A function of scalar
+    blocks only (every iterator of extent 1: an optimizer's sum of a model's squared gradient
+    norms, one addition a parameter) has no loop to schedule, and normalizing it would cost
+    time quadratic in its blocks (2 s for a 16-block transformer's 196)."""
     blocks = sblocks(func)
-    if len(blocks) < least:
+    if len(blocks) < least or all(_scalar(block) for block in blocks):
         return False
     return not reducing or any(
         int(iv.iter_type) != SPATIAL for block in blocks for iv in block.iter_vars
     )
+
+
+def _scalar(block: s_tir.SBlock) -> bool:
+    """Whether every iterator of ``block`` has extent 1."""
+    return all(isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1
+               for iv in block.iter_vars)  # fmt: skip
 
 
 def inlined_loads(func: tirx.PrimFunc) -> int:

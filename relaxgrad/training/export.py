@@ -6,13 +6,14 @@ model function and the per-sample loss), the parameters, buffers and optimizer s
 ``Trainer.load`` reads), ``manifest.json`` (function names, the model function's arguments with
 their names, shapes and dtypes, the loss target's, the state's array order, optimizer, loss and
 target), ``frozen.params`` where the model has frozen weights (buffers no step replaces: a LoRA
-base's), in the same format, apart from the state so that an inference deployment can share
-that file and a checkpoint stays the size of what trains, and ``runner.py`` with ``state.py``, a training loop that needs only numpy and TVM's
-runtime (:mod:`relaxgrad.training.runtime_runner`), and ``schedules.py``, the learning-rate
-schedules it computes (a schedule that is a function of the user's is not exported: the runner
-then trains at the optimizer's learning rate, with a warning here). A CPU library calling
-OpenBLAS gets the ``scipy-openblas32`` wheel's library beside it, which it finds by its run path
-``$ORIGIN``, and one calling oneDNN (bfloat16 products) the ``onednn-cpu-gomp`` wheel's."""
+base's), in the same format, apart from the state so that an inference deployment can share that
+file and a checkpoint stays the size of what trains, and ``runner.py`` with ``state.py``, a
+training loop that needs only numpy and TVM's runtime
+(:mod:`relaxgrad.training.runtime_runner`), and ``schedules.py``, the learning-rate schedules it
+computes (a schedule that is a function of the user's is not exported: the runner then trains at
+the optimizer's learning rate, with a warning here). A CPU library calling OpenBLAS gets the
+``scipy-openblas32`` wheel's library beside it, which it finds by its run path ``$ORIGIN``, and
+one calling oneDNN (bfloat16 products) the ``onednn-cpu-gomp`` wheel's."""
 
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ as the multiplier, and scale dynamically as the Trainer does: a step whose gradi
 
 ``arguments`` are the model function's parameters in order (``manifest["arguments"]``: each an
 input, a parameter or a buffer; a buffer no step replaces, a frozen weight, is read from the
-file ``manifest["frozen"]`` names, the others from the state); ``out`` is the loss, or ``(loss, *new buffer values)`` when
-the manifest lists ``updates``. ``predict`` runs the model function itself on the same
-arguments.
+file ``manifest["frozen"]`` names, the others from the state); ``out`` is the loss, or ``(loss,
+*new buffer values)`` when the manifest lists ``updates``. ``predict`` runs the model function
+itself on the same arguments.
 """
 
 from __future__ import annotations

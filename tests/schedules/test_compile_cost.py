@@ -154,3 +154,36 @@ def test_each_function_is_normalized_once_for_all_rules(monkeypatch):
     tried = {tvm_ffi.structural_hash(f) for f in funcs}
     assert len(built) - before <= len(tried), (len(built) - before, len(tried))
     assert "RowColumnLocal" in step.choices.values()
+
+
+def test_scalar_functions_are_not_normalized(monkeypatch):
+    """An optimizer's global gradient norm adds one squared norm a parameter, a chain of scalar
+    additions that fuses into one function of as many blocks: nothing to schedule there, and
+    normalizing it cost time quadratic in its blocks. The step is still right (float64)."""
+    from relaxgrad.training import SGD
+
+    sizes = []
+    normalize = cpu.normalize_prim_func
+    monkeypatch.setattr(cpu, "normalize_prim_func",
+                        lambda sch: sizes.append(len(cpu.sblocks(sch.mod["main"])))
+                        or normalize(sch))  # fmt: skip
+    count = 40
+    params = [relax.Var(f"w{i}", relax.TensorType((3,), "float64")) for i in range(count)]
+    optimizer = SGD(0.5)
+    optimizer.init(params)
+    mod = optimizer.add_to(tvm.IRModule(), "opt")
+    cpu.forget_inlined()
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    assert sizes and max(sizes) < count, sizes  # the chain of additions was not normalized
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(3) for _ in range(count)]
+    grads = [rng.standard_normal(3) for _ in range(count)]
+    tensors = [tvm.runtime.tensor(a) for a in (*weights,)]
+    new, _, (norm,) = vm["opt"](tensors, [tvm.runtime.tensor(g) for g in grads],
+                                [tvm.runtime.tensor(s.numpy()) for s in optimizer.state],
+                                [tvm.runtime.tensor(c) for c in optimizer.controls(max_norm=1.0)])
+    total = np.sqrt(sum((g * g).sum() for g in grads))
+    np.testing.assert_allclose(norm.numpy(), total, rtol=1e-12)
+    clip = min(1.0, 1.0 / (total + 1e-6))
+    for got, w, g in zip(new, weights, grads):
+        np.testing.assert_allclose(got.numpy(), w - 0.5 * clip * g, rtol=1e-12)

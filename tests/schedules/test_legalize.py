@@ -32,18 +32,23 @@ class Repeated:
             d = R.add(c, c)  # ... reused as such
             e = R.matmul(d, w)
             f = R.matmul(e, w)
-            g = R.reshape(f, R.shape([8, 4]))  # a shape operand: legalized as LegalizeOps does
+            g = R.reshape(f, R.shape([8, 4]))  # a shape operand: by value
             h = R.reshape(g, R.shape([4, 8]))
-            k = R.concat((h, a), axis=1)  # a tuple operand: the same
+            i = R.reshape(e, R.shape([8, 4]))  # reused (g's kind)
+            j = R.reshape(e, R.shape([2, 16]))  # another shape: another kind
+            k = R.concat((h, a), axis=1)  # a tuple operand: legalized as LegalizeOps does
             out = R.sum(k, axis=[1], keepdims=True)
             result = R.multiply(out, x)  # broadcast: another kind than add's
-            R.output(result)
+            p = R.add(x, R.const(1.0, "float32"))  # a constant operand: by value
+            q = R.add(y, R.const(1.0, "float32"))  # reused (p's kind)
+            r = R.add(x, R.const(2.0, "float32"))  # another value: another kind
+            R.output(result, i, j, p, q, r)
         return result
 
 
 def test_same_module_as_legalize_ops_with_reuse():
     _, once = _both(Repeated)
-    assert once.reused == 3  # b (as a), d (as c), f (as e)
+    assert once.reused == 5  # b (as a), d (as c), f (as e), i (as g), q (as p)
 
 
 @tvm.script.ir_module
