@@ -91,6 +91,9 @@ DEFAULT_CUDA_ARCH = "sm_90"
 
 _log = logging.getLogger(__name__)
 
+builds = 0
+"""How many modules this process has built (compiles not served by the cache)."""
+
 
 def compile(  # noqa: A001 (mirrors tvm.compile)
     mod: IRModule,
@@ -148,6 +151,8 @@ def _load_cached(path: str) -> Executable:
 
 
 def _compile(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
+    global builds
+    builds += 1
     mod = LowerCallTIRWithGrad()(mod)
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
