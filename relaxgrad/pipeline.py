@@ -72,7 +72,7 @@ from .schedules.cpu import forget_inlined
 from .schedules.scatter import legalize_take_backward, legalize_take_backward_gpu
 from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
-from .transforms.plan_memory import PlanBlockMemory
+from .transforms.plan_memory import PackBlockMemory, PlanBlockMemory
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
@@ -412,6 +412,7 @@ def _pipeline(
         relax.transform.ToNonDataflow(),
         relax.transform.RemovePurityChecking(),
         relax.transform.CallTIRRewrite(),
+        PackBlockMemory(),  # temporaries of static shape: one storage, packed by lifetime
         PlanBlockMemory(),  # StaticPlanBlockMemory, safe for If (see plan_memory.py)
         *after_planning,
         relax.transform.LowerAllocTensor(),

@@ -73,9 +73,17 @@ class ConvToMatmul:
     ``summed_batches`` (default: where :mod:`.blas` finds OpenBLAS) picks the weight
     gradient's form: a sum over the batch of ``g[n] @ cols[n]^T`` with the forward's im2col
     layout, which :class:`~.blas.MatmulToBLAS` runs as one accumulating call, instead of one
-    matmul over a transposed im2col and a transposed ``g`` (two more copies)."""
+    matmul over a transposed im2col and a transposed ``g`` (two more copies).
 
-    def __init__(self, summed_batches: bool | None = None, batch_columns_below: int | None = None):
+    ``recompute_columns`` (default): the weight gradient computes its im2col again from the
+    convolution's input rather than reading the forward's, which would stay alive from the
+    forward to the backward at ``KH*KW`` times the input's size (ResNet-50 at batch 8: 432 of
+    the step's 1,210 MiB live at its peak; the input is kept anyway). False shares it: an
+    im2col less a convolution, for that memory."""
+
+    def __init__(self, summed_batches: bool | None = None, batch_columns_below: int | None = None,
+                 recompute_columns: bool = True):
+        self.recompute_columns = recompute_columns
         self.summed_batches = blas.available() if summed_batches is None else summed_batches
         self.batch_columns_below = (
             (BATCH_COLUMNS_BELOW if self.summed_batches else 0)
@@ -84,11 +92,14 @@ class ConvToMatmul:
         )
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        rewriter = _Rewriter(mod, self.summed_batches, self.batch_columns_below)
+        rewriter = _Rewriter(mod, self.summed_batches, self.batch_columns_below,
+                             self.recompute_columns)
         # (without the full weight gradients of the cropped ones)
         return relax.transform.DeadCodeElimination()(rewrite_functions(rewriter, mod))
 
 
+RECOMPUTED = "relaxgrad.recomputed"
+"""The attribute of a weight gradient's im2col computed again (:class:`ConvToMatmul`)."""
 BATCH_COLUMNS_BELOW = 128
 _COLUMNS_MIN_MACS = 1 << 24
 """With BLAS, a convolution whose images have fewer output pixels than this (ResNet-50's 7x7
@@ -97,9 +108,10 @@ stage) runs its three matmuls with the batch in the columns (see :class:`ConvToM
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: IRModule, summed_batches: bool, batch_columns_below: int):
+    def __init__(self, mod: IRModule, summed_batches: bool, batch_columns_below: int,
+                 recompute_columns: bool):
         super().__init__(mod)
-        self.summed_batches = summed_batches
+        self.summed_batches, self.recompute_columns = summed_batches, recompute_columns
         target = Target.current(allow_none=True)
         self.gpu = target is not None and is_gpu(target)
         self.batch_columns_below = batch_columns_below
@@ -258,9 +270,12 @@ class _Rewriter(PyExprMutator):
             return op.reshape(windows, shapes[1])
         return self._emit_te(unpool, [g, index], "max_unpool")
 
-    def _emit_te(self, compute, args, name: str, vectorize: bool = True, phases: int = 1):
+    def _emit_te(self, compute, args, name: str, vectorize: bool = True, phases: int = 1,
+                 recomputed: bool = False):
         """Emit ``compute`` as an unfusable PrimFunc called with ``args`` (its last axis the
-        ``phases`` of a strided one, see :func:`_schedule`)."""
+        ``phases`` of a strided one, see :func:`_schedule`); ``recomputed``: a PrimFunc of its
+        own (an attribute), so that no call of the same computation elsewhere (the forward's)
+        is taken for it by ``EliminateCommonSubexpr``."""
         placeholders = [te.placeholder(static_shape(a), _ty.dtype_of(a), f"in{i}")
                         for i, a in enumerate(args)]  # fmt: skip
         out = compute(*placeholders)
@@ -268,13 +283,17 @@ class _Rewriter(PyExprMutator):
         if not self.gpu:  # (a GPU's schedule step binds its threads)
             func = _schedule(func, vectorize, phases)
         func = func.with_attr("op_pattern", OPAQUE)  # FuseOps leaves the gather/scatter unfused
+        if recomputed:
+            func = func.with_attr(RECOMPUTED, True)
         gvar = self.builder_.add_func(func, name)
         out_type = relax.TensorType([int(d) for d in out.shape], out.dtype)
         return self.builder_.emit(relax.call_tir(gvar, list(args), out_type))
 
-    def _im2col(self, x, conv: _Params, order: str, extents: dict[str, int], name: str):
+    def _im2col(self, x, conv: _Params, order: str, extents: dict[str, int], name: str,
+                recomputed: bool = False):
         """``x[n, c, p * stride + r * dilation - pad, q * stride + s * dilation - pad]`` (0 in
-        the padding) as a tensor with axes ``order``, a permutation of ``"ncpqrs"``."""
+        the padding) as a tensor with axes ``order``, a permutation of ``"ncpqrs"``
+        (``recomputed``: see :meth:`_emit_te`)."""
 
         def im2col(data):
             def value(i0, i1, i2, i3, i4, i5):
@@ -283,7 +302,7 @@ class _Rewriter(PyExprMutator):
 
             return te.compute([extents[axis] for axis in order], value, name=name)
 
-        return self._emit_te(im2col, [x], name)
+        return self._emit_te(im2col, [x], name, recomputed=recomputed)
 
     def _in_columns(self, n: int, o: int, taps: int, pixels: int) -> bool:
         """Whether a convolution's matmuls of ``n`` images of ``pixels`` output pixels, ``o``
@@ -291,14 +310,15 @@ class _Rewriter(PyExprMutator):
         products large enough for BLAS (below it, TVM's own matmuls run either form alike)."""
         return pixels < self.batch_columns_below and n * o * taps * pixels >= _COLUMNS_MIN_MACS
 
-    def _batch_columns(self, x, conv: _Params, x_shape, kh: int, kw: int, oh: int, ow: int):
+    def _batch_columns(self, x, conv: _Params, x_shape, kh: int, kw: int, oh: int, ow: int,
+                       recomputed: bool = False):
         """The im2col of ``x`` with the batch in its columns: ``(C*KH*KW, N*OH*OW)``."""
         n, c, _, _ = x_shape
         if conv.pointwise(kh, kw):
             cols = op.permute_dims(x, [1, 0, 2, 3])
         else:
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
-            cols = self._im2col(x, conv, "crsnpq", extents, "im2col")
+            cols = self._im2col(x, conv, "crsnpq", extents, "im2col", recomputed)
         return op.reshape(cols, (c * kh * kw, n * oh * ow))
 
     @staticmethod
@@ -335,14 +355,15 @@ class _Rewriter(PyExprMutator):
         kh, kw = dw_shape[2:]
         taps = c * kh * kw
         if self._in_columns(n, o, taps, oh * ow):  # the forward's columns: g^T @ cols^T
-            cols = self._batch_columns(x, conv.swapped(), x_shape, kh, kw, oh, ow)
+            cols = self._batch_columns(x, conv.swapped(), x_shape, kh, kw, oh, ow,
+                                       self.recompute_columns)
             dw = op.matmul(self._batch_rows(g, g_shape), op.permute_dims(cols))
             return op.reshape(dw, dw_shape)
         if self.summed_batches:  # the forward's im2col, and sum_n g[n] @ cols[n]^T
             forward = conv.swapped()
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
             cols = x if forward.pointwise(kh, kw) else \
-                self._im2col(x, forward, "ncrspq", extents, "im2col")
+                self._im2col(x, forward, "ncrspq", extents, "im2col", self.recompute_columns)
             cols = op.reshape(cols, (n, taps, oh * ow))
             products = op.matmul(op.reshape(g, (n, o, oh * ow)), op.permute_dims(cols, [0, 2, 1]))
             return op.reshape(op.collapse_sum_to(products, (o, taps)), dw_shape)

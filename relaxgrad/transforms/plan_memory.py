@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.ir import IRModule, Op
 
+from .. import _ty
 from .._module import with_functions
 
-__all__ = ["PlanBlockMemory", "escaping_storages"]
+__all__ = ["PackBlockMemory", "PlanBlockMemory", "escaping_storages"]
 
 _ALLOC_STORAGE = "relax.memory.alloc_storage"
 _STOCK_PLAN = relax.transform.StaticPlanBlockMemory  # kept should someone patch it with ours
@@ -170,3 +172,140 @@ class PlanBlockMemory:
             if not fixed.same_as(func):
                 fixes[gvar] = fixed
         return with_functions(planned, fixes)
+
+
+_ALLOC_TENSOR = "relax.builtin.alloc_tensor"
+_ALIGNMENT = 64  # bytes: TVM's kAllocAlignment
+
+
+@tvm.transform.module_pass(opt_level=0, name="relaxgrad.PackBlockMemory")
+class PackBlockMemory:
+    """Place a function's temporaries of static shape at offsets in one storage, packed by their
+    lifetimes; run it after ``CallTIRRewrite``, before :class:`PlanBlockMemory` (which then
+    plans what is left: the function's results, tensors of symbolic shape).
+
+    TVM's ``StaticPlanBlockMemory`` gives each tensor a storage token: a dead one of a size
+    within 16x of the tensor's, grown to fit, else a new one. A token keeps its size when a
+    later, smaller tensor takes it, so small tensors that live long (the activations a
+    backward pass reads) end up pinning storage sized for large ones that died early (an
+    im2col, a layer's logits): ResNet-50's training step at batch 8 planned 1,183 MiB where at
+    most 837 MiB are live at once. Here each function without ``If`` gets one storage for all
+    its temporaries, every tensor an offset in it, placed greedily by size (largest first, each
+    at the lowest offset that no tensor alive at the same time overlaps), as TensorFlow Lite's
+    arena planner does: within a few percent of the live peak. A temporary lives from its
+    allocation to the last binding that mentions it or anything that may hold it (a reshape, a
+    tuple, a var, any call's result: all taken to hold their operands). The function's results
+    and what may hold them are left to the planner, as TVM leaves them to the runtime.
+
+    ``packed``: function name -> ``(storage bytes, tensors placed)`` of the last module."""
+
+    def __init__(self):
+        self.packed: dict[str, tuple[int, int]] = {}
+
+    def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
+        self.packed, updates = {}, {}
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or _has_if(func):
+                continue
+            result = _pack(func)
+            if result is not None:
+                updates[gvar], self.packed[gvar.name_hint] = result
+        return with_functions(mod, updates)
+
+
+def _static_bytes(value: relax.Call) -> int | None:
+    """The bytes of a global, device-0 ``builtin.alloc_tensor`` of static shape, rounded up to
+    the alignment; else None."""
+    shape, dtype, device, scope = value.args
+    if not isinstance(shape, relax.ShapeExpr) or str(scope.value) != "global":
+        return None
+    if not isinstance(device, tvm.tirx.IntImm) or int(device.value) != 0:
+        return None
+    dims = list(shape.values)
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+        return None
+    dtype = tvm.DataType(str(dtype.value))
+    size = (dtype.bits * dtype.lanes + 7) // 8
+    for d in dims:
+        size *= int(d)
+    return -(-max(size, 1) // _ALIGNMENT) * _ALIGNMENT
+
+
+def _pack(func: relax.Function):
+    """``(func with its temporaries in one storage, (bytes, count))``, or None when fewer than
+    two are placed."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr):
+        return None
+    bindings = [b for block in body.blocks for b in block.bindings]
+    holds: dict = {}  # var (its key) -> the temporaries (binding indices) its value may hold
+    sizes: dict[int, int] = {}  # temporary -> bytes
+    last: dict[int, int] = {}  # temporary -> index of the last binding mentioning it
+    for i, binding in enumerate(bindings):
+        value = binding.value  # (a VarBinding's or a MatchCast's)
+        if _is_call_of(value, _ALLOC_TENSOR) and (size := _static_bytes(value)) is not None:
+            sizes[i], last[i], holds[_ty.key(binding.var)] = size, i, {i}
+            continue
+        held = set()
+        for var in relax.analysis.free_vars(value):
+            for temp in holds.get(_ty.key(var), ()):
+                last[temp] = i
+                held.add(temp)
+        if held:
+            holds[_ty.key(binding.var)] = held
+    escaping = set()
+    for var in relax.analysis.free_vars(body.body):
+        escaping |= holds.get(_ty.key(var), set())
+    temps = [t for t in sizes if t not in escaping]
+    if len(temps) < 2:
+        return None
+    offsets, total = _place(temps, sizes, last)
+    arena = relax.Var("workspace", relax.ObjectType())
+    storage = relax.op.memory.alloc_storage(relax.ShapeExpr([total]), 0, "global", "uint8")
+    rebuilt, index = [relax.BindingBlock([relax.VarBinding(arena, storage)])], 0
+    for block in body.blocks:
+        out = []
+        for binding in block.bindings:
+            if index in offsets:
+                shape, dtype, device, _ = binding.value.args
+                tensor = relax.op.memory.alloc_tensor(arena, offsets[index], shape, dtype, device)
+                if offsets[index]:  # kernels take data pointers at offset 0 (a view, no copy)
+                    at = relax.Var(f"{binding.var.name}_at", binding.var.ty)
+                    out.append(relax.VarBinding(at, tensor))
+                    tensor = relax.op.memory.ensure_zero_offset(at)
+                binding = relax.VarBinding(binding.var, tensor)
+            out.append(binding)
+            index += 1
+        kind = relax.DataflowBlock if isinstance(block, relax.DataflowBlock) else relax.BindingBlock
+        rebuilt.append(kind(out, block.span))
+    packed = relax.Function(func.params, relax.SeqExpr(rebuilt, body.body, body.span),
+                            func.ret_ty, func.is_pure, func.attrs, func.span)  # fmt: skip
+    return packed, (total, len(temps))
+
+
+def _is_call_of(value, name: str) -> bool:
+    return isinstance(value, relax.Call) and isinstance(value.op, Op) and value.op.name == name
+
+
+def _place(temps: list[int], sizes: dict, last: dict) -> tuple[dict[int, int], int]:
+    """Offsets of the temporaries (binding index -> byte offset) and the storage's size:
+    largest first (the longer-lived first among equals), each at the lowest offset where it
+    overlaps no placed temporary whose lifetime ``[index, last]`` meets its own."""
+    order = sorted(temps, key=lambda t: (-sizes[t], t - last[t], t))
+    starts = np.empty(len(order), np.int64)
+    ends = np.empty(len(order), np.int64)
+    lows = np.empty(len(order), np.int64)
+    highs = np.empty(len(order), np.int64)
+    offsets, total = {}, 0
+    for n, temp in enumerate(order):
+        size = sizes[temp]
+        alive = (starts[:n] <= last[temp]) & (ends[:n] >= temp)
+        offset = 0
+        for low, high in sorted(zip(lows[:n][alive].tolist(), highs[:n][alive].tolist())):
+            if low - offset >= size:
+                break
+            offset = max(offset, high)
+        offsets[temp] = offset
+        starts[n], ends[n], lows[n], highs[n] = temp, last[temp], offset, offset + size
+        total = max(total, offset + size)
+    return offsets, total
