@@ -106,37 +106,46 @@ def test_gpu_form_gives_tvms_values(x_shape, w_shape, conv_attrs, monkeypatch):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
-def test_weight_gradient_reads_the_forwards_im2col():
-    """In the CPU pipeline the weight gradient's im2col of ``x`` is the forward's, computed
-    once (``EliminateCommonSubexpr`` after the rewrite; the values: the test above)."""
+def test_weight_gradient_computes_its_im2col_again():
+    """In the CPU pipeline the weight gradient computes its im2col of ``x`` again rather than
+    keep the forward's alive until the backward pass (``KH*KW`` times ``x``'s size):
+    ``EliminateCommonSubexpr`` after the rewrite does not merge them; with
+    ``recompute_columns=False`` it does (the values: the tests above)."""
     mod = _adjoint(*CASES[-1])
     passes = list(cpu_pipeline(host_target()).passes)
     names = [p.info.name for p in passes]
     with host_target():
         rewritten = tvm.transform.Sequential(passes[: names.index("LegalizeOpsOnce")])(mod)
     calls = re.findall(r"R\.call_tir\((\w+)", rewritten["main_adjoint"].script())
-    assert calls.count("im2col") == 1 and "col2im" in calls
-    assert re.findall(r"R\.call_tir\((\w+)", ConvToMatmul()(mod)["main_adjoint"].script()).count(
-        "im2col") == 2  # fmt: skip
+    columns = sorted(c for c in calls if c.startswith("im2col"))
+    assert len(columns) == 2 and "col2im" in calls
+    assert ["relaxgrad.recomputed" in rewritten[c].script() for c in columns] == [False, True]
+    shared = ConvToMatmul(recompute_columns=False)(mod)
+    with host_target():
+        shared = relax.transform.EliminateCommonSubexpr()(shared)
+    calls = re.findall(r"R\.call_tir\((\w+)", shared["main_adjoint"].script())
+    assert calls.count("im2col") == 1
 
 
 @pytest.mark.parametrize("x_shape, w_shape", [((2, 4, 8, 8), (5, 4, 3, 3)),
                                               ((2, 4, 8, 8), (5, 4, 1, 1))])  # fmt: skip
 def test_strided_weight_gradient_has_the_kernels_taps_only(x_shape, w_shape):
     """The rule's weight gradient of a stride-2 convolution reaches past the kernel (4x4 for
-    3x3, 2x2 for 1x1) and is cropped; rewritten, it computes the kernel's taps only: one
-    im2col, the forward's (the values: the CASES above)."""
+    3x3, 2x2 for 1x1) and is cropped; rewritten, it computes the kernel's taps only: an
+    im2col of the forward's shape (the values: the CASES above)."""
     mod = _adjoint(x_shape, w_shape, dict(strides=2, padding=w_shape[2] // 2))
     assert "R.strided_slice" in mod["main_adjoint"].script()  # the rule's crop
     rewritten = ConvToMatmul(summed_batches=True, batch_columns_below=0)(mod)
     script = rewritten["main_adjoint"].script()
     assert "R.strided_slice" not in script and "R.nn.conv2d" not in script
     names = [gv.name_hint for gv in rewritten.get_global_vars()]
-    if w_shape[2] == 3:
-        assert sorted(n for n in names if n.startswith("im2col")) == ["im2col"]
-        assert "(2, 4, 3, 3, 4, 4)" in rewritten["im2col"].script()
+    columns = [n for n in names if n.startswith("im2col")]
+    if w_shape[2] == 3:  # the forward's and the gradient's own (recomputed)
+        assert len(columns) == 2
+        assert all("(2, 4, 3, 3, 4, 4)" in rewritten[n].script() for n in columns)
     else:  # a 1x1 kernel: the forward's im2col subsamples x, and so does the gradient's
-        assert sum(n.startswith("im2col") for n in names) == 1
+        assert len(columns) == 2
+        assert all("(2, 4, 1, 1, 4, 4)" in rewritten[n].script() for n in columns)
 
 
 def test_grouped_conv_is_left_to_legalization():
