@@ -184,15 +184,15 @@ class PackBlockMemory:
     lifetimes; run it after ``CallTIRRewrite``, before :class:`PlanBlockMemory` (which then
     plans what is left: the function's results, tensors of symbolic shape).
 
-    TVM's ``StaticPlanBlockMemory`` gives each tensor a storage token: a dead one of a size
-    within 16x of the tensor's, grown to fit, else a new one. A token keeps its size when a
-    later, smaller tensor takes it, so small tensors that live long (the activations a
-    backward pass reads) end up pinning storage sized for large ones that died early (an
-    im2col, a layer's logits): ResNet-50's training step at batch 8 planned 1,183 MiB where at
-    most 837 MiB are live at once. Here each function without ``If`` gets one storage for all
-    its temporaries, every tensor an offset in it, placed greedily by size (largest first, each
-    at the lowest offset that no tensor alive at the same time overlaps), as TensorFlow Lite's
-    arena planner does: within a few percent of the live peak. A temporary lives from its
+    TVM's ``StaticPlanBlockMemory`` gives each tensor a storage token: a dead one of a size within
+    16x of the tensor's, grown to fit, else a new one. A token keeps its size when a later,
+    smaller tensor takes it, so small tensors that live long (the activations a backward pass
+    reads) end up pinning storage sized for large ones that died early (an im2col, a layer's
+    logits): ResNet-50's training step at batch 8 planned 1,183 MiB where at most 837 MiB are
+    live at once. Here each function without ``If`` gets one storage for all its temporaries,
+    every tensor an offset in it, placed greedily by size (largest first, each at the lowest
+    offset that no tensor alive at the same time overlaps), as TensorFlow Lite's arena planner
+    does (ResNet-50's adjoint: 808 MiB for its temporaries). A temporary lives from its
     allocation to the last binding that mentions it or anything that may hold it (a reshape, a
     tuple, a var, any call's result: all taken to hold their operands). The function's results
     and what may hold them are left to the planner, as TVM leaves them to the runtime.
