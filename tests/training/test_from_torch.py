@@ -22,6 +22,8 @@ from relaxgrad.training import (
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from .lora_worker import Logits  # noqa: E402 (a causal LM's logits, one row per token)
+
 BATCH = 8
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
 WEIGHT_ATOL = 1e-5
@@ -230,21 +232,11 @@ def test_transformers_sdpa_attention_that_cannot_be_exported_is_named():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=8,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    net = _FlatLogits(transformers.GPT2LMHeadModel(config))
+    net = Logits(transformers.GPT2LMHeadModel(config))
     assert net.model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match=r"torch.export cannot trace .*GPT2LMHeadModel uses "
                        r"'sdpa' attention: set config._attn_implementation = 'eager'"):
         from_torch(net, (torch.zeros(2, 4, dtype=torch.int64),))
-
-
-class _FlatLogits(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        logits = self.model(tokens).logits
-        return logits.reshape(-1, logits.shape[-1])
 
 
 def test_negative_indices_count_from_the_end_and_compile_quietly(capfd):
