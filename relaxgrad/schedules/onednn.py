@@ -44,7 +44,8 @@ from .. import _ty
 from ._common import OPAQUE, is_op, may_change, parsed_script, rewrite_functions, static_shape
 from .blas import THREADS, _untransposed, native_arch
 
-__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "library_path", "link_options"]
+__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "library_path",
+           "link_options", "missing_units"]
 
 SYMBOL = "dnnl_gemm_bf16bf16f32"
 _SET_THREADS = "omp_set_num_threads"
@@ -71,6 +72,31 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+UNITS = {"bf16": ("amx_bf16", "avx512_bf16"), "fp16": ("amx_fp16", "avx512_fp16")}
+"""The CPU features (``/proc/cpuinfo`` flags) that do arithmetic in each low precision."""
+
+
+def missing_units(precision: str) -> bool:
+    """Whether this CPU is known to have none of ``precision``'s arithmetic units
+    (:data:`UNITS`; False where its flags cannot be read, or for ``"fp32"``)."""
+    flags = cpu_flags()
+    return bool(flags) and precision in UNITS and not flags & set(UNITS[precision])
 
 
 @functools.cache

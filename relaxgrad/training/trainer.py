@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from .. import _ty, pipeline
 from .._module import with_function
 from ..cache import reloaded
 from ..ops import random
+from ..schedules import onednn
 from ..transforms import Gradient
 from ..transforms.mixed_precision import MixedPrecision
 from .accumulate import accumulate_gradients, check_accumulate
@@ -204,6 +206,7 @@ class Trainer:
             target = pipeline.host_target()
         self.device = rank_device(pipeline.target_device(target), distributed)
         self.target = target
+        _warn_without_units(precision, target)
         self.executable = _compile(self.mod, target, cache, progress)
         self.vm = relax.VirtualMachine(self.executable, self.device)
 
@@ -830,6 +833,21 @@ def _with_precision(model: IRModule, precision: str, func_names: set[str]) -> IR
     if precision == "fp32":
         return model
     return MixedPrecision(precision, sorted(func_names))(model)
+
+
+def _warn_without_units(precision: str, target) -> None:
+    """One warning where ``precision``'s products will run on this machine's CPU, which has no
+    arithmetic in that precision: still correct, as float32 products of the same values."""
+    if pipeline.target_device(target).dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        return
+    if not onednn.missing_units(precision):
+        return
+    units = " or ".join(u.upper().replace("_", "-", 1) if u.startswith("amx") else u.upper()
+                        for u in onednn.UNITS[precision])
+    warnings.warn(
+        f"Trainer: precision={precision!r} on a CPU without {units} ({onednn.cpu_model()}): "
+        f"its products run as float32 products of the {precision} values, which gives the same "
+        f"results at no more speed than precision='fp32'", RuntimeWarning, stacklevel=3)
 
 
 def _check_controls(schedule, max_grad_norm, on_nonfinite) -> None:

@@ -163,3 +163,35 @@ def test_a_bf16_module_trains_with_float32_master_weights():
     assert net[0].weight.dtype == torch.bfloat16
     np.testing.assert_allclose(net[0].weight.detach().float().numpy(), trainer.params["0.weight"],
                                rtol=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_warning_on_a_cpu_without_low_precision_units(monkeypatch, precision):
+    """On a CPU with no bf16 (fp16) arithmetic the Trainer warns once, naming the CPU, and its
+    gradients are still those of the products in that precision (float32 products of the same
+    values, as autocast's); with the units it says nothing."""
+    import warnings
+
+    from relaxgrad.schedules import onednn
+
+    x, y = _data()
+    onednn.available()  # whether oneDNN loads is decided (and cached) on the real flags
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: {"avx2", "fma"})
+    with pytest.warns(RuntimeWarning, match=f"precision='{precision}' on a CPU without") as record:
+        net, trainer = _trainer(precision)
+    assert len([w for w in record if w.category is RuntimeWarning]) == 1
+    assert onednn.cpu_model() in str(record[0].message)
+    _, ours = trainer.gradients(x[:BATCH], y[:BATCH])
+    exact = _torch_grads(net, x[:BATCH], y[:BATCH], torch.float64)
+    autocast = _torch_grads(net, x[:BATCH], y[:BATCH], torch.float32,
+                            torch.bfloat16 if precision == "bf16" else torch.float16)
+    for name, g in ours.items():
+        assert _distance(g, exact[name]) <= 2 * _distance(autocast[name], exact[name]) + 1e-6
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: set(onednn.UNITS[precision]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _trainer(precision)
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: {"avx2", "fma"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _trainer("fp32")

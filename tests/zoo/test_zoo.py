@@ -4,10 +4,12 @@ trained through :func:`from_torch` and ``Trainer.for_model`` give PyTorch's loss
 Per model, one import and one compile shared by its tests (a module-scoped fixture):
 
 - first step: the loss and each parameter's gradient are at least as close to PyTorch's float64
-  ones as PyTorch's own float32 ones are (norm-wise, ``SLACK`` times PyTorch's float32 error
+  ones as PyTorch's own float32 ones are (norm-wise, ``SLACK`` times PyTorch's float32 error,
+  the larger of its errors at two thread counts, whose reductions add in different orders,
   plus ``RTOL`` of the norm of the whole float64 gradient, for gradients that are rounding
-  noise, such as attention keys' biases), and the rows of a gradient that PyTorch leaves exactly
-  zero (unused tokens, an embedding's ``padding_idx`` row) are exactly zero;
+  noise, such as attention keys' biases; the loss within one float32 ulp at least), and the
+  rows of a gradient that PyTorch leaves exactly zero (unused tokens, an embedding's
+  ``padding_idx`` row) are exactly zero;
 - a few SGD steps give PyTorch's float32 losses (or, where float32 training drifts from
   float64 within them, losses and weights as close to float64's as PyTorch float32's), and the
   trained weights load back into the module (a tied parameter under each of its ``state_dict``
@@ -45,7 +47,9 @@ NOISY = {
     "mobilevit": 3.0,
     # one weight (stage 2's keys/values projection) at 1.9-2.1x PyTorch float32's distance,
     # by the order of its reductions (in the full suite, after the other models: 2.05x); its
-    # batch norms over 4 samples amplify any rounding
+    # batch norms over 4 samples amplify any rounding. On an AMD EPYC (Zen 3, AVX2), one
+    # thread: median 1.6x, up to 3.9x of PyTorch's float32 on one thread, whose own error
+    # varies up to 2.3x by its thread count (up to 1.8x of the larger of the two)
     "levit": 3.0,
 }
 #: models trained fewer steps, with the reason
@@ -110,12 +114,23 @@ def test_first_step_is_as_close_to_float64_as_torch_float32(case):
     loss, grads = case.trainer.gradients(case.x, case.y.numpy())
     loss64, grads64 = case.torch_gradients(torch.float64)
     loss32, grads32 = case.torch_gradients(torch.float32)
-    assert abs(loss - loss64) <= SLACK * abs(loss32 - loss64) + RTOL * abs(loss64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if threads == 1 else 1)
+    try:  # PyTorch's float32 error in a second order of its reductions (another thread count)
+        loss32b, grads32b = case.torch_gradients(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    # the loss: within one float32 unit in the last place, at least
+    ulp = float(np.spacing(np.float32(abs(loss64))))
+    torch_loss_error = max(abs(loss32 - loss64), abs(loss32b - loss64))
+    assert abs(loss - loss64) <= SLACK * torch_loss_error + max(RTOL * abs(loss64), ulp)
     assert set(grads) == set(grads64)
     scale = np.sqrt(sum(np.sum(g**2) for g in grads64.values()))
     for name, exact in grads64.items():
         ours = grads[name].astype("float64")
-        error, torch_error = np.linalg.norm(ours - exact), np.linalg.norm(grads32[name] - exact)
+        error = np.linalg.norm(ours - exact)
+        torch_error = max(np.linalg.norm(grads32[name] - exact),
+                          np.linalg.norm(grads32b[name] - exact))
         slack = NOISY.get(case.name, SLACK)
         assert error <= slack * torch_error + RTOL * scale, (name, error, torch_error)
         if exact.ndim >= 2:
