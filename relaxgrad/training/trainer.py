@@ -482,6 +482,10 @@ class Trainer:
             names = [f"input {v.name}" for v in self._inputs] + ["the target"]
             check_finite([*_as_tuple(inputs), target], names, f"Trainer: {self._where()}")
         buffers = dict(self._buffers)  # the step replaces, never writes into, these tensors
+        if not self.history:
+            # what the caller let go since the Trainer was made (a PyTorch module whose weights
+            # the Trainer holds now), given back before the step's memory is taken
+            _release_free_memory()
         value, grads = self._gradients(inputs, target)
         new_params, new_state, report = self.vm[f"{self.func_name}_optimizer"](
             self._params, grads, self._optim_state, self._controls()

@@ -170,3 +170,22 @@ def test_shared_buffers_are_cpu_aligned_contiguous_arrays_only():
     assert _shared(aligned[start + 1:start + 1001], tvm.cpu()) is None  # 4 bytes off
     assert _shared(array.T, tvm.cpu()) is None  # not C-contiguous
     assert _shared(array, tvm.cuda()) is None
+
+
+def test_first_step_gives_back_what_the_caller_let_go(monkeypatch):
+    """The first step returns freed memory to the system once (a source model the caller
+    deleted after making the Trainer), later steps do not; the losses are those of a Trainer
+    that never does (the peak RSS it saves is measured in bench/real_models.py)."""
+    from relaxgrad.training import trainer as trainer_module
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 4)).astype("float32")
+    y = x @ rng.standard_normal((4, 2)).astype("float32")
+    init = {"w": np.ones((4, 2), "float32")}
+    plain = Trainer(_linear_model(), init, MSELoss(), SGD(0.1))
+    expected = [plain.step(x, y) for _ in range(3)]
+    calls = []
+    trainer = Trainer(_linear_model(), init, MSELoss(), SGD(0.1))
+    monkeypatch.setattr(trainer_module, "_release_free_memory", lambda: calls.append(1))
+    assert [trainer.step(x, y) for _ in range(3)] == expected
+    assert calls == [1]
