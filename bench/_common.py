@@ -24,20 +24,10 @@ class Logits(torch.nn.Module):
 def cpu_model() -> str:
     """This CPU's model name and its bf16 features (``/proc/cpuinfo``), for every bench's
     header: figures differ between machines."""
-    import platform
+    from relaxgrad.schedules import onednn
 
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    bf16 = sorted({"avx512_bf16", "amx_bf16", "avx512_fp16"} & flags)
-    return f"{name} ({', '.join(bf16) if bf16 else 'no bf16 instructions'})"
+    bf16 = sorted({"avx512_bf16", "amx_bf16", "avx512_fp16"} & onednn.cpu_flags())
+    return f"{onednn.cpu_model()} ({', '.join(bf16) if bf16 else 'no bf16 instructions'})"
 
 
 def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None,

@@ -22,6 +22,7 @@ from .._module import with_function
 from ..cache import reloaded
 from ..ops import random
 from ..schedules import onednn
+from ..schedules.blas import native_arch
 from ..transforms import Gradient
 from ..transforms.mixed_precision import MixedPrecision
 from .accumulate import accumulate_gradients, check_accumulate
@@ -842,16 +843,13 @@ def _with_precision(model: IRModule, precision: str, func_names: set[str]) -> IR
 def _warn_without_units(precision: str, target) -> None:
     """One warning where ``precision``'s products will run on this machine's CPU, which has no
     arithmetic in that precision: still correct, as float32 products of the same values."""
-    if pipeline.target_device(target).dlpack_device_type() != tvm.cpu().dlpack_device_type():
+    if not native_arch(tvm.target.Target(target)) or not onednn.missing_units(precision):
         return
-    if not onednn.missing_units(precision):
-        return
-    units = " or ".join(u.upper().replace("_", "-", 1) if u.startswith("amx") else u.upper()
-                        for u in onednn.UNITS[precision])
     warnings.warn(
-        f"Trainer: precision={precision!r} on a CPU without {units} ({onednn.cpu_model()}): "
-        f"its products run as float32 products of the {precision} values, which gives the same "
-        f"results at no more speed than precision='fp32'", RuntimeWarning, stacklevel=3)
+        f"Trainer: precision={precision!r} on a CPU without {' or '.join(onednn.UNITS[precision])} "
+        f"({onednn.cpu_model()}): its products run as float32 products of the {precision} "
+        f"values, which gives the same results at no more speed than precision='fp32'",
+        RuntimeWarning, stacklevel=3)
 
 
 def _check_controls(schedule, max_grad_norm, on_nonfinite) -> None:

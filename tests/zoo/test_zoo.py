@@ -89,12 +89,18 @@ class Case:
         module.load_state_dict(self.trainer.state_dict())
         return module.to(dtype).train()
 
-    def torch_gradients(self, dtype):
-        """PyTorch's loss and gradients (float64 numpy arrays) in ``dtype``."""
+    def torch_gradients(self, dtype, threads=None):
+        """PyTorch's loss and gradients (float64 numpy arrays) in ``dtype``, on ``threads``
+        threads (default: as set)."""
         module = self.torch_copy(dtype)
         inputs = [t.to(dtype) if t.is_floating_point() else t for t in self.inputs]
-        loss = torch.nn.functional.cross_entropy(module(*inputs), self.y)
-        loss.backward()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            loss = torch.nn.functional.cross_entropy(module(*inputs), self.y)
+            loss.backward()
+        finally:
+            torch.set_num_threads(before)
         grads = {n: p.grad.double().numpy() for n, p in module.named_parameters()
                  if p.requires_grad}  # (a LoRA's frozen base has none)
         return loss.item(), grads
@@ -114,12 +120,9 @@ def test_first_step_is_as_close_to_float64_as_torch_float32(case):
     loss, grads = case.trainer.gradients(case.x, case.y.numpy())
     loss64, grads64 = case.torch_gradients(torch.float64)
     loss32, grads32 = case.torch_gradients(torch.float32)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2 if threads == 1 else 1)
-    try:  # PyTorch's float32 error in a second order of its reductions (another thread count)
-        loss32b, grads32b = case.torch_gradients(torch.float32)
-    finally:
-        torch.set_num_threads(threads)
+    # PyTorch's float32 error in a second order of its reductions (another thread count)
+    other = 2 if torch.get_num_threads() == 1 else 1
+    loss32b, grads32b = case.torch_gradients(torch.float32, threads=other)
     # the loss: within one float32 unit in the last place, at least
     ulp = float(np.spacing(np.float32(abs(loss64))))
     torch_loss_error = max(abs(loss32 - loss64), abs(loss32b - loss64))
