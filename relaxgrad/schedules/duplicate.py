@@ -23,6 +23,19 @@ with the chains copied at once). A producer of no full-size operand (a broadcast
 cross-entropy's gradient, :class:`~relaxgrad.schedules.NllLossGradAsMask`) is copied too. A
 copy computes at most ``_MAX_COST`` ops, its producers' copies included: a chain whose steps
 read the step before twice (``a = a * a + a``) would otherwise double its work per step.
+
+A producer read by a kernel that fuses nothing (a BLAS call) is copied too where that saves
+memory rather than time: when its readers fall in two groups far apart (the forward pass that
+reads an activation, the backward pass that reads it again for a weight's gradient, at least
+``_LATE_GAP`` bindings later) and the var it is computed from is alive anyway until the last
+of them (a normalization's input, read by its gradient), the later readers read a copy made
+just before each of them, so that the producer dies with the forward pass instead of living
+beside the var it is computed from. A copy read by a BLAS call is a kernel of its own, one pass
+over the memory, which the forward pass ran already: ResNet-50's ``relu(batch_norm(conv))``
+outputs and its blocks' ``relu(x + shortcut)``, BERT-base's GELU outputs (read again by the
+weight gradients of the products that follow them), which the training step otherwise keeps
+from its forward pass to its backward pass next to the convolution and product outputs they
+are computed from.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from ._common import ELEMWISE, INJECTIVE, static_shape
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
 _MAX_COST = 32  # ops a copy may recompute (GPT-2's GELU's x + 0.044715 x ** 3: 12)
+_LATE_GAP = 64  # bindings between a producer's readers for the later ones to read copies
 
 
 @tvm.transform.module_pass(opt_level=0, name="DuplicateCheapProducers")
@@ -98,6 +112,17 @@ def _operands(call: relax.Call) -> list:
     return list(args.fields) if isinstance(args, relax.Tuple) else list(args)
 
 
+def _late_readers(readers: list, root_alive_until: float) -> set:
+    """The readers (binding handles) of a producer that read a copy of it: those after the
+    widest gap between its readers' ``(position, handle)``s, when that gap is at least
+    ``_LATE_GAP`` bindings and the var the copies read is alive until the last of them."""
+    positions = [p for p, _ in readers]
+    if len(positions) < 2 or root_alive_until < positions[-1]:
+        return set()
+    gap, cut = max((b - a, i + 1) for i, (a, b) in enumerate(zip(positions, positions[1:])))
+    return {h for _, h in readers[cut:]} if gap >= _LATE_GAP else set()
+
+
 def _size(expr) -> int | None:
     shape = static_shape(expr)
     return None if shape is None else math.prod(shape)
@@ -117,12 +142,14 @@ class _Rewriter(PyExprMutator):
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
         self.seen: set = set()  # producers whose first reader has been emitted
         self.inner: set = set()  # cheap producers of one reader, copied within copies only
+        self.late: dict = {}  # producer var -> the bindings (handles) that read a copy of it
+        self.chains: dict = {}  # producer var (its handle) -> (its call, operands to copy)
         self.copies = 0
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        self.inner, self.seen = set(), set()
+        self.inner, self.seen, self.late, self.chains = set(), set(), {}, {}
         self.cheap = self._cheap_producers(func)
-        if len(self.cheap) == len(self.inner):  # none read twice
+        if len(self.cheap) == len(self.inner) and not self.late:  # none read twice
             return func  # nothing to copy: no need to rebuild it binding by binding
         return super().visit_function_(func)
 
@@ -134,12 +161,17 @@ class _Rewriter(PyExprMutator):
         facts = [self._facts(b) for b in bindings]
         readers: dict = {}  # each var's (by handle) call_tir readers' patterns
         read_anywhere: dict = {}  # the reads of each var by bindings (a call reads it once)
-        for _, _, pattern, args, free in facts:
+        at: dict = {}  # each var's call_tir readers: (position, binding handle)
+        last_read: dict = {}  # each var's last reading binding's position
+        for position, (b, _, pattern, args, free) in enumerate(facts):
             if pattern is not None:
                 for arg in {hash(a) for a in args}:  # a reader of one var twice (c * c) once
                     readers.setdefault(arg, []).append(pattern)
+                    at.setdefault(arg, []).append((position, hash(b)))
             for key in free:
                 read_anywhere[key] = read_anywhere.get(key, 0) + 1
+                last_read[key] = position
+        bound = {hash(var) for _, var, _, _, _ in facts}
         for var in relax.analysis.free_vars(func.body.body):  # the function's result
             read_anywhere[hash(var)] = read_anywhere.get(hash(var), 0) + 1
         cheap = {}
@@ -169,7 +201,27 @@ class _Rewriter(PyExprMutator):
                 cheap[var] = b.value
                 if len(users) < 2:
                     self.inner.add(var)  # copied only inside its reader's copies
+            elif len(found) == 1:
+                (root,) = found
+                late = _late_readers(at[hash(var)], last_read.get(root, -1)
+                                     if root in bound else math.inf)  # (a parameter: always)
+                if late:
+                    self.late[var] = late
+        values = {hash(var): b.value for b, var, _, _, _ in facts} if self.late else {}
+        for var in self.late:  # a copy computes the chain down to the full-size var
+            self._chain(var, values, roots)
         return cheap
+
+    def _chain(self, var, values: dict, roots: dict) -> None:
+        """Record in ``chains`` the call of ``var`` and, recursively, of the elementwise
+        producers it reads that expand to a full-size var (their copies serve its copy)."""
+        if hash(var) in self.chains:
+            return
+        value = values[hash(var)]
+        inner = [a for a in dict.fromkeys(_operands(value)) if hash(a) in roots]
+        self.chains[hash(var)] = (value, inner)
+        for arg in inner:
+            self._chain(arg, values, roots)
 
     def _facts(self, binding: relax.VarBinding) -> tuple:
         """``(binding, var, op_pattern or None, operands, handles of the vars it reads)``."""
@@ -190,11 +242,13 @@ class _Rewriter(PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         _, _, pattern, args, _ = self._facts(binding)
-        if pattern is None or not self.cheap:
+        if pattern is None or not (self.cheap or self.late):
             return super().visit_var_binding_(binding)
         copies = {}
         for arg in dict.fromkeys(args):  # each var once, in order
-            if arg in self.cheap and arg not in self.inner:
+            if hash(binding) in self.late.get(arg, ()):
+                copies[arg] = self._copy_chain(arg)
+            elif arg in self.cheap and arg not in self.inner:
                 if arg in self.seen:
                     copies[arg] = self._copy(arg)
                 self.seen.add(arg)
@@ -213,6 +267,14 @@ class _Rewriter(PyExprMutator):
                  if arg in self.cheap}  # fmt: skip
         self.copies += 1
         return self.builder_.emit(self._with_operands(value, inner), "dup")
+
+    def _copy_chain(self, var) -> relax.Var:
+        """A copy of the producer ``var`` for a late reader, computed from the full-size var
+        it expands to (copies of the producers in between)."""
+        value, inner = self.chains[hash(var)]
+        copies = {arg: self._copy_chain(arg) for arg in inner}
+        self.copies += 1
+        return self.builder_.emit(self._with_operands(value, copies), "late")
 
     def _with_operands(self, value: relax.Call, copies: dict) -> relax.Call:
         operands = relax.Tuple([self.visit_expr(copies.get(a, a)) for a in _operands(value)])

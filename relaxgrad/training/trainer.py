@@ -25,6 +25,7 @@ from ..schedules import onednn
 from ..schedules.blas import native_arch
 from ..transforms import Gradient
 from ..transforms.mixed_precision import MixedPrecision
+from ..transforms.plan_memory import RESULTS_IN_WORKSPACE
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
 from .distributed import data_parallel, rank_device
@@ -801,7 +802,9 @@ def training_module(
       tuple, ``(loss, *fields 1.. of the result)``);
     - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``, the
       loss as target (index 0 of a tuple), seeded with 1 or, with ``seed="param"``, with a
-      last parameter (a loss scale);
+      last parameter (a loss scale); its gradients (field 1 of its result) share the
+      adjoint's workspace (:data:`~relaxgrad.transforms.plan_memory.RESULTS_IN_WORKSPACE`:
+      the step lets them go once the optimizer has read them);
     - ``<func>_optimizer(params, gradients, optim_states, controls)``: ``optimizer.add_to``
       (the update of ``optimizer.get_function()`` with fused kernels, the learning rate, the
       clipping norm and a gradient multiplier as run-time ``controls``, returning the
@@ -819,6 +822,8 @@ def training_module(
         raise ValueError(f"Trainer: {func_name} has no parameters named {unknown} (it has {names})")
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
     mod = Gradient(loss_name, trainable, target_index=0, seed=seed)(mod)
+    adjoint = f"{loss_name}_adjoint"
+    mod = with_function(mod, adjoint, mod[adjoint].with_attr(RESULTS_IN_WORKSPACE, [1]))
     optimizer.init(trainable)
     if f"{func_name}_optimizer" in _names(mod):
         raise ValueError(

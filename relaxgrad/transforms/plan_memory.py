@@ -32,7 +32,11 @@ from tvm.ir import IRModule, Op
 from .. import _ty
 from .._module import with_functions
 
-__all__ = ["PackBlockMemory", "PlanBlockMemory", "escaping_storages"]
+__all__ = ["RESULTS_IN_WORKSPACE", "PackBlockMemory", "PlanBlockMemory", "escaping_storages"]
+
+RESULTS_IN_WORKSPACE = "relaxgrad.results_in_workspace"
+"""A function attribute: the indices of the fields of the function's result (a tuple) whose
+tensors :class:`PackBlockMemory` may place in the function's workspace (see there)."""
 
 _ALLOC_STORAGE = "relax.memory.alloc_storage"
 _STOCK_PLAN = relax.transform.StaticPlanBlockMemory  # kept should someone patch it with ours
@@ -195,7 +199,17 @@ class PackBlockMemory:
     does (ResNet-50's adjoint: 808 MiB for its temporaries). A temporary lives from its
     allocation to the last binding that mentions it or anything that may hold it (a reshape, a
     tuple, a var, any call's result: all taken to hold their operands). The function's results
-    and what may hold them are left to the planner, as TVM leaves them to the runtime.
+    and what may hold them are left to the planner, as TVM leaves them to the runtime, except in
+    a function whose :data:`RESULTS_IN_WORKSPACE` attribute names fields of its result (a
+    tuple): the tensors of those fields are placed in the workspace too, alive from their
+    allocation to the end, in the room the temporaries that died before them leave, and the
+    workspace lives as long as any of them. A caller that lets those results go before its next
+    call (a training step's gradients, consumed by the optimizer) then holds the function's
+    peak of temporaries and results together instead of the temporaries' peak plus every
+    result: BERT-base's adjoint at batch 8, 654 MiB of temporaries and 418 MiB of gradients, fits
+    in one workspace of about the temporaries' size. A caller that keeps such a result keeps the
+    whole workspace, so only a caller that knows it lets them go (:class:`~relaxgrad.training.
+    Trainer`, for its adjoint's gradients) sets the attribute.
 
     ``packed``: function name -> ``(storage bytes, tensors placed)`` of the last module."""
 
@@ -253,9 +267,14 @@ def _pack(func: relax.Function):
                 held.add(temp)
         if held:
             holds[_ty.key(binding.var)] = held
-    escaping = set()
-    for var in relax.analysis.free_vars(body.body):
-        escaping |= holds.get(_ty.key(var), set())
+    escaping, results = set(), set()
+    for field, inside in _result_fields(func):
+        held = set()
+        for var in relax.analysis.free_vars(field):
+            held |= holds.get(_ty.key(var), set())
+        (results if inside else escaping).update(held)
+    for temp in results - escaping:
+        last[temp] = len(bindings)  # a result: alive to the end, and after
     temps = [t for t in sizes if t not in escaping]
     if len(temps) < 2:
         return None
@@ -281,6 +300,17 @@ def _pack(func: relax.Function):
     packed = relax.Function(func.params, relax.SeqExpr(rebuilt, body.body, body.span),
                             func.ret_ty, func.is_pure, func.attrs, func.span)  # fmt: skip
     return packed, (total, len(temps))
+
+
+def _result_fields(func: relax.Function) -> list[tuple[relax.Expr, bool]]:
+    """``(field, in the workspace)`` for each field of ``func``'s result (the result itself
+    when it is not a tuple): in the workspace when :data:`RESULTS_IN_WORKSPACE` names it."""
+    result = func.body.body
+    if not isinstance(result, relax.Tuple):
+        return [(result, False)]
+    inside = func.attrs.get(RESULTS_IN_WORKSPACE, ()) if func.attrs is not None else ()
+    inside = {int(i) for i in inside}
+    return [(field, i in inside) for i, field in enumerate(result.fields)]
 
 
 def _is_call_of(value, name: str) -> bool:

@@ -183,3 +183,100 @@ def test_producers_of_two_full_size_operands_expanding_to_one_var_are_copied():
     (want * torch.from_numpy(xs[1]).double()).sum().backward()
     np.testing.assert_allclose(gelu, want.detach().numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grad, x.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _late_reader(bb, x, b, w, y, root_read_last: bool = True):
+    """``t = relu(z + b)``, ``z = x @ w``, read by a product at once and by another (a weight
+    gradient's) after more than ``_LATE_GAP`` bindings; ``z`` read again at the end (a relu
+    gradient's mask) or not."""
+    z = bb.emit(op.matmul(x, w))
+    t = bb.emit(op.nn.relu(op.add(z, b)))
+    h = bb.emit(op.matmul(t, w))
+    for _ in range(70):
+        h = bb.emit(op.matmul(h, w))
+    outs = [bb.emit(op.matmul(op.permute_dims(t, [1, 0]), h))]
+    if root_read_last:
+        outs.append(bb.emit(op.multiply(op.add(z, b), y)))
+    return relax.Tuple(outs)
+
+
+def test_a_producer_read_again_much_later_is_copied_for_the_late_reader():
+    """The late product reads a copy of ``relu(z + b)`` made just before it, so that ``t``
+    dies after the first product; not where ``z`` would then live longer for the copy."""
+    shapes = [(64, 96), (96,), (96, 96), (64, 96)]
+    mod = _module(shapes, _late_reader)
+    plain, copied = _kernels(mod, False), _kernels(mod, True)
+    relus = [name for name in copied if "relu" in name]
+    assert len(relus) == 2 and len([n for n in plain if "relu" in n]) == 1, copied
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    xs[2] = np.linalg.qr(xs[2])[0].astype("float32")  # (orthogonal: h keeps its scale)
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    late, masked = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    z = xs[0] @ xs[2]
+    t = np.maximum(z + xs[1], 0)
+    h = t @ xs[2]
+    for _ in range(70):
+        h = h @ xs[2]
+    np.testing.assert_allclose(late, t.T @ h, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(masked, (z + xs[1]) * xs[3], rtol=1e-5, atol=1e-6)
+    shortened = _module(shapes, lambda *a: _late_reader(*a, root_read_last=False))
+    assert _kernels(shortened, True) == _kernels(shortened, False)
+
+
+def _mlp(layers: int, dtype: str = "float32", differentiate: bool = True) -> tvm.IRModule:
+    """Linear layers with bias and relu, batch 64, width 256: each relu output is read by the
+    next product and, in the backward pass, by that product's weight gradient."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 256), dtype))
+    ws = [relax.Var(f"w{i}", relax.TensorType((256, 256), dtype)) for i in range(layers)]
+    bs = [relax.Var(f"b{i}", relax.TensorType((256,), dtype)) for i in range(layers)]
+    with bb.function("main", [x, *ws, *bs]):
+        with bb.dataflow():
+            h = x
+            for w, b in zip(ws, bs):
+                h = bb.emit(op.nn.relu(op.add(op.matmul(h, w), b)))
+            out = bb.emit_output(op.sum(op.multiply(h, h)))
+        bb.emit_func_output(out)
+    return relaxgrad.Gradient("main")(bb.get()) if differentiate else bb.get()
+
+
+def test_late_copies_shrink_the_adjoints_workspace_and_keep_its_bits(monkeypatch):
+    """An MLP's adjoint: with the relu outputs copied for the weight gradients, the packed
+    workspace is smaller; the gradients are the same bits, and PyTorch's (float64)."""
+    from relaxgrad import pipeline
+    from relaxgrad.schedules import duplicate
+    from relaxgrad.transforms.plan_memory import PackBlockMemory
+
+    mod = _mlp(8)
+    rng = np.random.default_rng(6)
+    inputs = [tvm.runtime.tensor((0.1 * rng.standard_normal([int(d) for d in p.ty.shape]))
+                                 .astype("float32")) for p in mod["main"].params]  # fmt: skip
+    workspace, results = {}, {}
+    for late in (True, False):
+        if not late:
+            monkeypatch.setattr(duplicate, "_LATE_GAP", 10**9)
+        packer = PackBlockMemory()
+        monkeypatch.setattr(pipeline, "PackBlockMemory", lambda packer=packer: packer)
+        vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+        workspace[late] = packer.packed["main_adjoint"][0]
+        loss, grads = vm["main_adjoint"](*inputs)
+        results[late] = [loss.numpy(), *(g.numpy() for g in grads)]
+    assert workspace[True] < workspace[False], workspace
+    for a, b in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.undo()
+    mod = _mlp(8, "float64")  # against PyTorch's autograd, in float64
+    shapes = [[int(d) for d in p.ty.shape] for p in mod["main"].params]
+    values = [rng.uniform(-1, 1, s) / (16 if len(s) == 2 and s[0] == 256 else 1) for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(v) for v in values])
+    x, *params = [torch.tensor(v, requires_grad=True) for v in values]
+    h = x
+    for w, b in zip(params[:8], params[8:]):
+        h = torch.relu(h @ w + b)
+    want = (h * h).sum()
+    want.backward()
+    np.testing.assert_allclose(loss.numpy(), want.item(), rtol=1e-12)
+    for got, t in zip(grads, [x, *params]):
+        np.testing.assert_allclose(got.numpy(), t.grad.numpy(), rtol=1e-10, atol=1e-12)

@@ -17,7 +17,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relaxgrad
-from relaxgrad import pipeline
+from relaxgrad import _ty, pipeline
 from relaxgrad.testing import check_gradients
 from relaxgrad.transforms import plan_memory
 from relaxgrad.transforms.plan_memory import PackBlockMemory
@@ -121,7 +121,92 @@ def test_results_stay_out_of_the_storage():
         assert value.op.name == "relax.builtin.alloc_tensor", value
 
 
-def _stack(blocks: int) -> tvm.IRModule:
+def _gradients_in_workspace(mod: tvm.IRModule) -> tvm.IRModule:
+    adjoint = mod["main_adjoint"].with_attr(plan_memory.RESULTS_IN_WORKSPACE, [1])
+    mod = mod.clone()
+    mod[mod.get_global_var("main_adjoint")] = adjoint
+    return mod
+
+
+def _shape(expr) -> list[int]:
+    return [int(d) for d in _ty.shape_values(expr)]
+
+
+def _source(func: relax.Function, var: relax.Var) -> relax.Expr:
+    """The value ``var`` is bound to, through aliases and zero-offset views."""
+    bound = {b.var.name: b.value for block in func.body.blocks for b in block.bindings}
+    value = bound[var.name]
+    while True:
+        if isinstance(value, relax.Var):
+            value = bound[value.name]
+        elif value.op.name == "relax.memory.ensure_zero_offset":
+            value = bound[value.args[0].name]
+        else:
+            return value
+
+
+def test_named_results_share_the_workspace():
+    """With RESULTS_IN_WORKSPACE naming the gradients, they are placed in the storage, in the
+    room of temporaries that died before them, the loss is not; the storage is less than the
+    temporaries' plus the gradients'; the results are the same bits as TVM's planner's, and a
+    result held while the function runs again keeps its values."""
+    grad_mod = _stack(6)
+    plain, plain_packer, _ = _packed(grad_mod, "main_adjoint")
+    func, packer, _ = _packed(_gradients_in_workspace(grad_mod), "main_adjoint")
+    loss, grads = func.body.body.fields
+    assert _source(func, loss).op.name == "relax.builtin.alloc_tensor"
+    workspace = func.body.blocks[0].bindings[0].var
+    for grad in grads.fields:
+        source = _source(func, grad)
+        assert source.op.name == "relax.memory.alloc_tensor" and source.args[0].same_as(workspace)
+    grad_bytes = sum(int(np.prod(_shape(g))) * 4 for g in grads.fields)
+    storage, _ = packer.packed["main_adjoint"]
+    assert storage < plain_packer.packed["main_adjoint"][0] + grad_bytes
+
+    rng = np.random.default_rng(0)
+    params = grad_mod["main"].params
+    inputs = [tvm.runtime.tensor((0.05 * rng.standard_normal(_shape(p))).astype("float32"))
+              for p in params]  # fmt: skip
+    shared = relax.VirtualMachine(relaxgrad.compile(_gradients_in_workspace(grad_mod)),
+                                  tvm.cpu())["main_adjoint"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "PackBlockMemory", lambda: tvm.transform.Sequential([]))
+        planned = relax.VirtualMachine(relaxgrad.compile(grad_mod), tvm.cpu())["main_adjoint"]
+    expected = planned(*inputs)
+    first = shared(*inputs)
+    second = shared(*[tvm.runtime.tensor(2 * t.numpy()) for t in inputs])  # first one held
+    np.testing.assert_array_equal(first[0].numpy(), expected[0].numpy())
+    for got, want, other in zip(first[1], expected[1], second[1]):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert np.abs(want.numpy()).max() > 0 and not np.array_equal(other.numpy(), want.numpy())
+
+
+def test_trainer_steps_the_same_with_the_gradients_in_the_workspace(monkeypatch):
+    """The Trainer places its adjoint's gradients in the workspace; its steps are the same bits
+    as with every gradient allocated on its own."""
+    from relaxgrad.training import SGD, MSELoss, Trainer
+    from relaxgrad.training import trainer as trainer_module
+
+    model = _stack(3, differentiate=False)
+    params = {p.name: (0.1 * np.random.default_rng(2).standard_normal(_shape(p)))
+              .astype("float32") for p in model["main"].params[1:]}  # fmt: skip
+    rng = np.random.default_rng(1)
+    x, y = (rng.standard_normal((64, 128)).astype("float32") for _ in range(2))
+    histories = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(trainer_module, "RESULTS_IN_WORKSPACE", "relaxgrad.unused")
+        trainer = Trainer(model, params, MSELoss(), SGD(0.01), cache=False, progress=False)
+        adjoint = trainer.mod["main_loss_adjoint"]
+        assert (plan_memory.RESULTS_IN_WORKSPACE in adjoint.attrs) == shared
+        histories.append([trainer.step(x, y) for _ in range(3)])
+        histories.append(trainer.params)
+    assert histories[0] == histories[2]
+    for name, value in histories[1].items():
+        np.testing.assert_array_equal(value, histories[3][name])
+
+
+def _stack(blocks: int, differentiate: bool = True) -> tvm.IRModule:
     """Layers whose wide product (64 x 1024) lives only until it is summed, and whose narrow
     result (64 x 128, an eighth of it) lives until the backward pass reads it: TVM's planner
     gives each narrow result the storage of a dead wide product, which it then pins."""
@@ -135,9 +220,11 @@ def _stack(blocks: int) -> tvm.IRModule:
                 wide = bb.emit(relax.op.matmul(h, w))
                 scale = bb.emit(relax.op.sum(wide, axis=[1], keepdims=True))
                 h = bb.emit(relax.op.tanh(relax.op.multiply(h, scale)))
-            out = bb.emit_output(relax.op.sum(relax.op.multiply(h, h)))
+            if differentiate:
+                h = relax.op.sum(relax.op.multiply(h, h))
+            out = bb.emit_output(h)
         bb.emit_func_output(out)
-    return relaxgrad.Gradient("main")(bb.get())
+    return relaxgrad.Gradient("main")(bb.get()) if differentiate else bb.get()
 
 
 def test_packed_storage_is_less_than_tvms_plan():
