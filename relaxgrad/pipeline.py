@@ -46,6 +46,7 @@ from .schedules import (
     FuseColumnSums,
     FuseRowGroups,
     FuseRowReductions,
+    HoldRecomputed,
     IntegerPowers,
     KeepReversedReadsApart,
     LegalizeOpsOnce,
@@ -53,6 +54,7 @@ from .schedules import (
     MeanAsSum,
     MergeSiblingKernels,
     NllLossGradAsMask,
+    ReleaseRecomputed,
     ReshapeOutputs,
     RowSparseGradients,
     ScheduleCPU,
@@ -309,9 +311,9 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
     legalize = LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward_gpu})
-    before = [NllLossGradAsMask(), ConvToMatmul(summed_batches=False), ShareStatistics(),
-              WideColumnSums(),
-              relax.transform.EliminateCommonSubexpr()]  # fmt: skip
+    before = [HoldRecomputed(), NllLossGradAsMask(), ConvToMatmul(summed_batches=False),
+              ShareStatistics(), WideColumnSums(), relax.transform.EliminateCommonSubexpr(),
+              ReleaseRecomputed()]  # fmt: skip
     return _pipeline(schedule, before, [WithoutSeqScopes()], cuda_graph,
                      "relaxgrad.gpu_pipeline", legalize=legalize)  # fmt: skip
 
@@ -325,7 +327,9 @@ def cpu_pipeline(
     :class:`ShareStatistics`, :class:`MeanAsSum`,
     :class:`WideColumnSums` and ``EliminateCommonSubexpr`` (a batch norm's statistics in its
     forward and gradient, and a convolution's im2col in its forward and weight gradient:
-    computed once) before legalization, then
+    computed once; a checkpoint policy's recomputations kept apart from what they recompute,
+    :class:`HoldRecomputed` before the rewrites, :class:`ReleaseRecomputed` after) before
+    legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, ``DeadCodeElimination``, which drops the
@@ -356,10 +360,10 @@ def cpu_pipeline(
     """
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
-    before = [RowSparseGradients(), WindowScatter(), NllLossGradAsMask(), IntegerPowers(),
-              ConvToMatmul(summed), Bf16MatmulToOneDNN(),
+    before = [HoldRecomputed(), RowSparseGradients(), WindowScatter(), NllLossGradAsMask(),
+              IntegerPowers(), ConvToMatmul(summed), Bf16MatmulToOneDNN(),
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(), WideColumnSums(),
-              relax.transform.EliminateCommonSubexpr()]  # fmt: skip
+              relax.transform.EliminateCommonSubexpr(), ReleaseRecomputed()]  # fmt: skip
     return _pipeline(
         schedule, before,
         [SerialVectorLoops(), FastMath(), WithoutSeqScopes(), MergeSiblingKernels()], [],

@@ -43,6 +43,7 @@ from .losses import NllLossGradAsMask
 from .means import MeanAsSum
 from .onednn import Bf16MatmulToOneDNN
 from .powers import IntegerPowers
+from .recomputed import HoldRecomputed, ReleaseRecomputed
 from .reversed import KeepReversedReadsApart
 from .rows import FuseRowReductions, RowLocal
 from .scatter import WindowScatter
@@ -65,6 +66,7 @@ __all__ = [
     "FuseColumnSums",
     "FuseRowGroups",
     "FuseRowReductions",
+    "HoldRecomputed",
     "IntegerPowers",
     "KeepReversedReadsApart",
     "LegalizeOpsOnce",
@@ -74,6 +76,7 @@ __all__ = [
     "NllLossGradAsMask",
     "ShareStatistics",
     "ParallelLoops",
+    "ReleaseRecomputed",
     "ReshapeOutputs",
     "RowColumnLocal",
     "RowLocal",

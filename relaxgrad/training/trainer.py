@@ -20,10 +20,11 @@ from tvm.ir import IRModule
 from .. import _ty, pipeline
 from .._module import with_function
 from ..cache import reloaded
+from ..errors import GradientError
 from ..ops import random
 from ..schedules import onednn
 from ..schedules.blas import native_arch
-from ..transforms import Gradient
+from ..transforms import Gradient, policies
 from ..transforms.mixed_precision import MixedPrecision
 from ..transforms.plan_memory import RESULTS_IN_WORKSPACE
 from .accumulate import accumulate_gradients, check_accumulate
@@ -148,6 +149,14 @@ class Trainer:
         overflow is skipped (counted in ``skipped_steps``) and halves the scale, and 2,000
         finite steps in a row double it; the scale is saved in checkpoints. (A non-finite
         loss is not an overflow of the scale: ``on_nonfinite`` decides.)
+    gradient_checkpointing : bool or checkpoint policy
+        Keep fewer activations from the forward pass and recompute the others in the backward
+        pass, as Hugging Face's ``gradient_checkpointing_enable()``: True is ``"sqrt"``
+        (activations kept about every sqrt(n) bindings, one more forward pass of compute), or
+        any ``checkpoint=`` policy of :func:`relaxgrad.Gradient` (``"save_dots"``, a byte
+        budget, ...; see :mod:`relaxgrad.transforms.policies`). False (default): every
+        activation the backward pass reads is kept (but for the model's own
+        ``R.grad.start_checkpoint`` markers). The steps compute the same values.
 
     Examples
     --------
@@ -184,6 +193,7 @@ class Trainer:
         check_inputs: bool = False,
         precision: str = "fp32",
         share_frozen: bool = False,
+        gradient_checkpointing=False,
     ):
         buffers = dict(buffers or {})
         model = _with_precision(model, precision, {func_name, eval_func or func_name})
@@ -200,7 +210,8 @@ class Trainer:
         _check_key(model, func_name, eval_func or func_name, key, seed)
         _check_updates(model, func_name, buffers, updates)
         self.mod = training_module(model, list(params), loss, optimizer, func_name, target_type,
-                                   seed="param" if precision == "fp16" else "ones")
+                                   seed="param" if precision == "fp16" else "ones",
+                                   checkpoint=_checkpoint_policy(gradient_checkpointing))
         self.func_name, self.loss, self.optimizer = func_name, loss, optimizer
         self.eval_func = eval_func or func_name
         self.updates = tuple(updates)
@@ -795,6 +806,7 @@ def training_module(
     func_name: str = "main",
     target_type: relax.Type | None = None,
     seed: str = "ones",
+    checkpoint="markers",
 ) -> IRModule:
     """The module a :class:`Trainer` compiles: ``model`` plus
 
@@ -802,7 +814,8 @@ def training_module(
       tuple, ``(loss, *fields 1.. of the result)``);
     - ``<func>_loss_adjoint``: :func:`relaxgrad.Gradient` of it w.r.t. ``param_names``, the
       loss as target (index 0 of a tuple), seeded with 1 or, with ``seed="param"``, with a
-      last parameter (a loss scale); its gradients (field 1 of its result) share the
+      last parameter (a loss scale), ``checkpoint`` its policy (default: the model's
+      checkpoint markers, if any); its gradients (field 1 of its result) share the
       adjoint's workspace (:data:`~relaxgrad.transforms.plan_memory.RESULTS_IN_WORKSPACE`:
       the step lets them go once the optimizer has read them);
     - ``<func>_optimizer(params, gradients, optim_states, controls)``: ``optimizer.add_to``
@@ -821,7 +834,7 @@ def training_module(
     if unknown:
         raise ValueError(f"Trainer: {func_name} has no parameters named {unknown} (it has {names})")
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
-    mod = Gradient(loss_name, trainable, target_index=0, seed=seed)(mod)
+    mod = Gradient(loss_name, trainable, target_index=0, seed=seed, checkpoint=checkpoint)(mod)
     adjoint = f"{loss_name}_adjoint"
     mod = with_function(mod, adjoint, mod[adjoint].with_attr(RESULTS_IN_WORKSPACE, [1]))
     optimizer.init(trainable)
@@ -833,6 +846,20 @@ def training_module(
     prediction_ty = prediction_type(model[func_name])
     sample_loss = loss.with_reduction("none")(prediction_ty, loss_func.params[-1].ty)
     return _with_function(mod, f"{func_name}_sample_loss", sample_loss)
+
+
+def _checkpoint_policy(gradient_checkpointing):
+    """The ``checkpoint=`` policy of the Trainer's ``gradient_checkpointing``."""
+    if gradient_checkpointing is False or gradient_checkpointing is None:
+        return "markers"  # relaxgrad.Gradient's default: the model's own markers, if any
+    if gradient_checkpointing is True:
+        return "sqrt"
+    try:
+        policies.resolve(gradient_checkpointing)
+    except GradientError as error:
+        raise ValueError(f"Trainer: gradient_checkpointing must be a bool or a checkpoint "
+                         f"policy of relaxgrad.Gradient: {error}") from None
+    return gradient_checkpointing
 
 
 def _with_precision(model: IRModule, precision: str, func_names: set[str]) -> IRModule:
