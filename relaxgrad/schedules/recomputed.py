@@ -12,7 +12,7 @@ kept from the forward pass, as without it (a 16-layer ``tanh`` MLP with ``checkp
 
 :class:`HoldRecomputed` (first, before any rewrite that could make a recomputation's calls
 the same as the forward's) reads each operand of a ``<name>_cp`` binding that is not itself
-recomputed through an opaque ``call_pure_packed`` (one per operand and function), so that no
+recomputed through an opaque ``call_pure_packed`` (one per operand and block), so that no
 recomputation equals a forward binding; :class:`ReleaseRecomputed` (right after the
 elimination) reads the operands again. Recomputations equal to one another are still
 computed once, and so is what the backward pass computes twice from the same kept values.
@@ -26,17 +26,17 @@ from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..exprs import substitute
-from ._common import rewrite_functions
+from ..transforms.checkpoint import RECOMPUTED_SUFFIX
+from ._common import is_op, rewrite_functions
 
 __all__ = ["HoldRecomputed", "ReleaseRecomputed"]
 
 _HOLD = "relaxgrad.recomputed_operand"  # never called: ReleaseRecomputed removes it
-_SUFFIX = "_cp"
 _CALL_PURE_PACKED = Op.get("relax.call_pure_packed")
 
 
 def _recomputed(var: relax.Var) -> bool:
-    return var.name.endswith(_SUFFIX)
+    return var.name.endswith(RECOMPUTED_SUFFIX)
 
 
 def _has_recomputed(func: relax.Function) -> bool:
@@ -71,7 +71,6 @@ class _Hold(PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         if not _has_recomputed(func):
             return func
-        self.held = {}
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -110,8 +109,7 @@ class _Release(PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        if (isinstance(value, relax.Call) and value.op.same_as(_CALL_PURE_PACKED)
-                and isinstance(value.args[0], relax.ExternFunc)
+        if (is_op(value, _CALL_PURE_PACKED) and isinstance(value.args[0], relax.ExternFunc)
                 and value.args[0].global_symbol == _HOLD):  # fmt: skip
             self.set_var_remap(binding.var, self.visit_expr(value.args[1]))
             return None

@@ -24,7 +24,10 @@ from .. import _ty
 from ..errors import GradientError
 from ..exprs import free_vars, is_op, substitute
 
-__all__ = ["CheckpointInfo", "Regenerator", "strip_markers"]
+__all__ = ["RECOMPUTED_SUFFIX", "CheckpointInfo", "Regenerator", "strip_markers"]
+
+RECOMPUTED_SUFFIX = "_cp"
+"""The suffix of a recomputed binding's name (``<name>_cp``, as TVM's pass names them)."""
 
 _START, _END = "relax.grad.start_checkpoint", "relax.grad.end_checkpoint"
 
@@ -130,7 +133,7 @@ class Regenerator:
         cp = self.cp_map.get(_ty.key(var))
         if cp is not None:
             return cp, new_value
-        cp = self.bb.emit(new_value, var.name + "_cp")
+        cp = self.bb.emit(new_value, var.name + RECOMPUTED_SUFFIX)
         self.cp_map[_ty.key(var)] = cp
         return cp, new_value
 
@@ -152,6 +155,6 @@ class Regenerator:
             return cp
         if k not in self.values:
             return var  # defined outside the walked bindings (e.g. an enclosing scope)
-        cp = self.bb.emit(self.visit(self.values[k]), var.name + "_cp")
+        cp = self.bb.emit(self.visit(self.values[k]), var.name + RECOMPUTED_SUFFIX)
         self.cp_map[k] = cp
         return cp
