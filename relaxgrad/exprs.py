@@ -14,7 +14,20 @@ from tvm.ir import Op
 from . import _ty
 from .errors import GradientError
 
-__all__ = ["called_functions", "free_vars", "is_op", "op_name", "rename_seq", "substitute"]
+__all__ = [
+    "RECOMPUTED_SUFFIX",
+    "called_functions",
+    "free_vars",
+    "is_op",
+    "op_name",
+    "rename_seq",
+    "substitute",
+]
+
+#: The suffix of a binding a checkpoint policy recomputes in the backward pass (``x`` ->
+#: ``x_cp``, as TVM's pass names them): the Regenerator names them so and
+#: relaxgrad.compile's HoldRecomputed finds them.
+RECOMPUTED_SUFFIX = "_cp"
 
 # Nodes that hold no relax Var.
 _LEAVES = (

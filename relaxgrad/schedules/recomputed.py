@@ -25,8 +25,7 @@ from tvm import relax
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..exprs import substitute
-from ..transforms.checkpoint import RECOMPUTED_SUFFIX
+from ..exprs import RECOMPUTED_SUFFIX, substitute
 from ._common import is_op, rewrite_functions
 
 __all__ = ["HoldRecomputed", "ReleaseRecomputed"]

@@ -22,12 +22,9 @@ from tvm.relax import BlockBuilder, Expr, Var
 
 from .. import _ty
 from ..errors import GradientError
-from ..exprs import free_vars, is_op, substitute
+from ..exprs import RECOMPUTED_SUFFIX, free_vars, is_op, substitute
 
 __all__ = ["RECOMPUTED_SUFFIX", "CheckpointInfo", "Regenerator", "strip_markers"]
-
-RECOMPUTED_SUFFIX = "_cp"
-"""The suffix of a recomputed binding's name (``<name>_cp``, as TVM's pass names them)."""
 
 _START, _END = "relax.grad.start_checkpoint", "relax.grad.end_checkpoint"
 
