@@ -22,7 +22,7 @@ Cases:
   checkpoints), per model.
 
 Run ``python bench/soak.py`` (50 rounds, 2,000 steps, 10,000 for memory: tens of minutes) or
-e.g. ``--rounds 2 --steps 300 --models mlp`` (what the suite runs).
+e.g. ``--rounds 1 --steps 200 --memory-steps 400 --models mlp`` (what the suite runs).
 """
 
 from __future__ import annotations

@@ -458,6 +458,33 @@ def test_host_target_builds():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _argument_checks(executable) -> int:
+    """How many error exits the kernels' LLVM IR has (each wrapper's argument checks)."""
+    return executable.mod.imports[0].inspect_source("ll").count("ErrorSetRaised")
+
+
+def test_kernels_are_built_without_argument_checks_and_the_vm_still_checks():
+    """relaxgrad.compile builds the kernels without their wrappers' argument checks
+    (KERNEL_CONFIG); a caller's own ``tirx.disable_assert`` wins; the results are the same and
+    a wrong argument still raises, naming the parameter (the VM checks the Relax function's
+    parameters against their annotations)."""
+    mod = adjoint_module("mlp")
+    inputs = random_inputs(mod["main"], seed=5)
+    lean = relaxgrad.compile(mod)
+    with tvm.transform.PassContext(config={"tirx.disable_assert": False}):
+        checked = relaxgrad.compile(mod)
+    assert _argument_checks(lean) == 0 < _argument_checks(checked)
+    for g, w in zip(_run(lean, "main_adjoint", inputs), _run(checked, "main_adjoint", inputs),
+                    strict=True):
+        np.testing.assert_array_equal(g, w)
+    wrong = [inputs[0][:, :-1], *inputs[1:]]
+    with pytest.raises(Exception, match=r"param=x\b"):
+        _run(lean, "main_adjoint", wrong)
+    wrong = [inputs[0].astype("float64"), *inputs[1:]]
+    with pytest.raises(Exception, match=r"param=x\b"):
+        _run(lean, "main_adjoint", wrong)
+
+
 def test_gpu_kernels_from_legalization_are_kept():
     """scatter_elements legalizes to TVM's own CUDA kernel (threads bound, not marked
     scheduled): the schedule step leaves it as it is instead of failing on it."""

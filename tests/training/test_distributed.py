@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
+#: one worker runs them all under pytest-xdist, so each module fixture (a 2-rank launch) runs once
+pytestmark = pytest.mark.xdist_group("distributed")
 
 from relaxgrad.training.state import read_state  # noqa: E402
 

@@ -316,9 +316,10 @@ def test_controls_are_checked():
 
 
 def test_soak_bench_runs_a_few_rounds(tmp_path):
-    """bench/soak.py's cases, a few rounds each (the bench runs 50 and more)."""
+    """bench/soak.py's cases, one round each (the bench runs 50 and more; each round of a kill
+    case starts a worker process or two)."""
     bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "soak.py")
-    run = subprocess.run([sys.executable, bench, "--rounds", "2", "--steps", "200",
+    run = subprocess.run([sys.executable, bench, "--rounds", "1", "--steps", "200",
                           "--memory-steps", "400", "--models", "mlp", "--folder",
                           str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
