@@ -76,6 +76,7 @@ from .schedules.scatter import legalize_take_backward, legalize_take_backward_gp
 from .schedules.scopes import WithoutSeqScopes
 from .transforms import LowerCallTIRWithGrad
 from .transforms.plan_memory import PackBlockMemory, PlanBlockMemory
+from .transforms.simplify import RemoveUnused
 
 __all__ = [
     "DEFAULT_CUDA_ARCH",
@@ -363,7 +364,8 @@ def cpu_pipeline(
     legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
-    drops the gradient's aliases ``a_adjoint = b``, ``DeadCodeElimination``, which drops the
+    drops the gradient's aliases ``a_adjoint = b``, :class:`RemoveUnused` and
+    ``DeadCodeElimination``, which drop the
     tuples of a rewritten batch norm's results that nothing reads: such a tuple kept the
     normalized output from being recomputed where relu's gradient reads it, so relu ran as a
     kernel of its own and the output went through memory, :class:`DuplicateCheapProducers` and
@@ -401,6 +403,7 @@ def cpu_pipeline(
         "relaxgrad.cpu_pipeline",
         before_fusing=[
             relax.transform.CanonicalizeBindings(),
+            RemoveUnused(),  # linear in the bindings; then TVM's for the unused functions
             relax.transform.DeadCodeElimination(),
             DuplicateCheapProducers(),
             FuseRowReductions(min_rows),

@@ -13,7 +13,7 @@ from tvm.script import relax as R
 import relaxgrad
 from relaxgrad.exprs import is_op
 from relaxgrad.testing import check_gradients
-from relaxgrad.transforms.simplify import remove_unused, simplify_gradient
+from relaxgrad.transforms.simplify import RemoveUnused, remove_unused, simplify_gradient
 
 # --- regressions: permute_dims(matmul(a, b)) with a vector operand ---------------------------
 # matmul drops the vector's axis, so matmul(T(b), T(a)) is not the transpose: TVM leaves these
@@ -443,3 +443,29 @@ def test_remove_unused_sees_uses_inside_if():
 
     tvm.ir.assert_structural_equal(remove_unused(before), expected)
     tvm.ir.assert_structural_equal(remove_unused(before), relax.analysis.remove_all_unused(before))
+
+
+def _chain_module(dead: int) -> tvm.IRModule:
+    """``main(x) = exp(x) + x`` with a chain of ``dead`` unused bindings from ``exp(x)``."""
+    x = relax.Var("x", relax.TensorType((3,), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            lv = bb.emit(relax.op.exp(x))
+            v = lv
+            for _ in range(dead):
+                v = bb.emit(relax.op.multiply(v, v))
+            gv = bb.emit_output(relax.op.add(lv, x))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_remove_unused_pass_drops_a_dead_chain_as_relax_does():
+    """The module pass gives DeadCodeElimination's function (which removes a chain one link
+    per sweep), and the module itself when nothing is unused."""
+    mod = _chain_module(300)
+    got = RemoveUnused()(mod)
+    tvm.ir.assert_structural_equal(got, relax.transform.DeadCodeElimination()(mod))
+    assert len(got["main"].body.blocks[0].bindings) == 2
+    assert RemoveUnused()(got).same_as(got)
+    assert len(mod["main"].body.blocks[0].bindings) == 302  # the caller's module as it was
