@@ -159,8 +159,8 @@ def _load_cached(path: str) -> Executable:
 #: dtype, shape, strides, alignment, device of every buffer), which the VM calls only with the
 #: tensors it allocated or checked itself: it checks the Relax function's parameters against
 #: their annotations before any kernel runs (wrong shapes and dtypes still raise, naming the
-#: parameter). The checks are about 70% of the LLVM IR of a training step and of the time LLVM
-#: takes to emit its machine code (MobileViT's: 36 -> 10 s to write, 9.7 -> 4.0 MB).
+#: parameter). The checks are most of a training step's machine code and of the time LLVM
+#: takes to write it (MobileViT's: 36 -> 10 s to write, 9.7 -> 4.0 MB).
 KERNEL_CONFIG = {"tirx.disable_assert": True}
 
 
