@@ -315,7 +315,7 @@ def test_controls_are_checked():
         trainer.save("unused", keep=0)
 
 
-def test_soak_bench_runs_a_few_rounds(tmp_path):
+def test_soak_bench_runs_one_round_of_each_case(tmp_path):
     """bench/soak.py's cases, one round each (the bench runs 50 and more; each round of a kill
     case starts a worker process or two)."""
     bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "soak.py")
