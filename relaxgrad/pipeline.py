@@ -169,13 +169,13 @@ def _kernel_config():
     """The caller's ``PassContext`` with :data:`KERNEL_CONFIG` under its own settings; as it is
     under pass instruments (which a second context would enter again)."""
     current = tvm.transform.PassContext.current()
-    config = {**KERNEL_CONFIG, **dict(current.config)}
-    if len(current.instruments) > 0 or len(config) == len(current.config):
+    if len(current.instruments) > 0 or all(key in current.config for key in KERNEL_CONFIG):
         yield
         return
     with tvm.transform.PassContext(opt_level=current.opt_level,
                                    required_pass=list(current.required_pass),
-                                   disabled_pass=list(current.disabled_pass), config=config):
+                                   disabled_pass=list(current.disabled_pass),
+                                   config={**KERNEL_CONFIG, **dict(current.config)}):
         yield
 
 
