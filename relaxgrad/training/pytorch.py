@@ -4,7 +4,10 @@ The path (PyTorch is imported only when this is called):
 
 1. ``torch.export.export`` traces the module, once in train mode and once in eval mode. It is
    wrapped so that its buffers (BatchNorm's running statistics) are inputs of the traced graph
-   and their values after the forward pass are extra outputs.
+   and their values after the forward pass are extra outputs. The eval-mode trace is
+   decomposed and imported only when it differs from the train-mode one (a dropout of
+   probability 0 is the identity in both modes): decomposing to core ATen retraces the
+   program and is most of an import's time.
 2. TVM's importer ``tvm.relax.frontend.torch.from_exported_program(...,
    keep_params_as_input=True)`` turns each into a Relax function: ``main`` (train mode) and
    ``main_eval`` (eval mode, kept only when it differs from ``main``). Parameters and buffers
@@ -44,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Literal
@@ -146,12 +150,17 @@ def from_torch(
     try:
         if not module.training:  # a module in train mode keeps its submodules' own modes
             module.train()
-        train = _import(module, example_inputs, input_names, buffer_keys, dropout, aliases)
-        evaluation = _import(module.eval(), example_inputs, input_names, buffer_keys, dropout,
-                             aliases)
+        train_program = _exported(module, example_inputs, buffer_keys)
+        eval_program = _exported(module.eval(), example_inputs, buffer_keys)
     finally:
         for submodule, training in modes.items():
             submodule.training = training
+    train = _import(train_program, module, "train", input_names, buffer_keys,
+                    dropout, aliases)
+    evaluation = train  # no random ops and the same trace: the same function
+    if train[2] is not None or not _same_trace(train_program, eval_program):
+        evaluation = _import(eval_program, module, "eval", input_names,
+                             buffer_keys, dropout, aliases)
 
     names = input_names + param_keys + buffer_keys
     (train, renames, key, kernels), (evaluation, eval_renames, _, _) = train, evaluation
@@ -229,28 +238,66 @@ def _input_names(module, count: int) -> list[str]:
     return [plain[i] if i < len(plain) else f"input{i}" for i in range(count)]
 
 
-def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], dropout: str,
-            aliases: dict[str, str]):
-    """``main(*inputs, *buffers, *params)`` of ``module`` in its current mode, returning
-    ``(output, *buffers after the forward pass)``; the renames of its parameters (exported
-    name -> input name or ``state_dict`` key; the first name of a tied parameter, by
+def _exported(module, example_inputs: tuple, buffer_keys: list[str]):
+    """``torch.export.export`` of ``module`` in its current mode, its buffers as inputs and
+    their values after the forward pass as outputs (not yet decomposed)."""
+    import torch
+
+    buffers = dict(module.named_buffers())
+    mode = "train" if module.training else "eval"
+    with warnings.catch_warnings(), _refused("torch.export cannot trace", module, mode):
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        return torch.export.export(
+            _buffers_as_inputs(module, buffer_keys, len(example_inputs)),
+            (*example_inputs, *(buffers[k].detach().clone() for k in buffer_keys)),
+        )
+
+
+_ZERO_DROPOUT = re.compile(r"(torch\.ops\.aten\.dropout\.default\(\w+, 0\.0), (?:True|False)\)")
+
+
+def _same_trace(a, b) -> bool:
+    """Whether two traces of one module (its train- and eval-mode ones) are the same program,
+    so that they decompose to the same one: the same code in every graph module, where a
+    dropout of probability 0 (the identity in either mode) is the same whether it trains or
+    not, the same signature and the same constants."""
+    import torch
+
+    def code(program) -> list[str]:
+        return [_ZERO_DROPOUT.sub(r"\1)", m.code) for _, m in program.graph_module.named_modules()
+                if isinstance(m, torch.fx.GraphModule)]
+
+    return (code(a) == code(b) and str(a.graph_signature) == str(b.graph_signature)
+            and a.constants.keys() == b.constants.keys()
+            and all(_same_constant(a.constants[k], b.constants[k]) for k in a.constants))
+
+
+def _same_constant(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return a is b
+
+
+def _import(program, module, mode: str, input_names, buffer_keys: list[str],
+            dropout: str, aliases: dict[str, str]):
+    """``main(*inputs, *buffers, *params)`` of the module traced in ``program`` (in ``mode``),
+    returning ``(output, *buffers after the forward pass)``; the renames of its parameters
+    (exported name -> input name or ``state_dict`` key; the first name of a tied parameter, by
     ``aliases``); the dropout key it reads (None if none); and the PrimFuncs it calls (the
     dropout masks'), by GlobalVar."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    buffers = dict(module.named_buffers())
-    with warnings.catch_warnings(), _refused("torch.export cannot trace", module):
+    num_inputs = len(input_names)
+    with warnings.catch_warnings(), _refused("torch.export cannot trace", module, mode):
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
-        program = torch.export.export(
-            _buffers_as_inputs(module, buffer_keys, len(example_inputs)),
-            (*example_inputs, *(buffers[k].detach().clone() for k in buffer_keys)),
-        )
         program = program.run_decompositions()
-    _check_random(program, dropout if module.training else "eval")
+    _check_random(program, dropout if mode == "train" else "eval")
     masks = _Masks(dropout)
     converters = {name: getattr(masks, name.split(".")[0].strip("_")) for name in _RANDOM_OPS}
-    with _refused("TVM's importer cannot convert", module):
+    with _refused("TVM's importer cannot convert", module, mode):
         mod = from_exported_program(
             program,
             keep_params_as_input=True,
@@ -271,22 +318,22 @@ def _import(module, example_inputs: tuple, input_names, buffer_keys: list[str], 
             renames[spec.arg.name] = aliases.get(target, target)
     user = [spec.arg.name for spec in program.graph_signature.input_specs
             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-    renames.update(zip(user[len(example_inputs):], buffer_keys))
-    renames.update(zip(user[: len(example_inputs)], input_names))
+    renames.update(zip(user[num_inputs:], buffer_keys))
+    renames.update(zip(user[:num_inputs], input_names))
     kernels = {gv: f for gv, f in mod.functions_items() if not isinstance(f, relax.Function)}
     return func, renames, masks.key, kernels
 
 
 @contextlib.contextmanager
-def _refused(what: str, module):
+def _refused(what: str, module, mode: str):
     """Turn an error of torch.export or TVM's importer (TVM 0.27 asserts on ops it has no
-    converter for) into a ``ValueError`` naming the module; from_torch's own pass through."""
+    converter for) into a ``ValueError`` naming the module and its ``mode``; from_torch's own
+    pass through."""
     try:
         yield
     except Exception as e:
         if isinstance(e, ValueError) and str(e).startswith("from_torch"):
             raise
-        mode = "train" if module.training else "eval"
         raise ValueError(
             f"from_torch: {what} {type(module).__name__} (in {mode} mode)"
             f"{_attention_hint(module)}: {type(e).__name__}: {e}"

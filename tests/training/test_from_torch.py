@@ -210,6 +210,44 @@ def test_dropout_modes():
     assert from_torch(Dropper(0.0), x, dropout="error").key is None
 
 
+class TrainDoubles(nn.Module):
+    """Twice its linear layer's output in train mode (a Python branch on ``self.training``,
+    which no op of the trace shows), then a dropout of probability 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return self.drop(2 * y if self.training else y)
+
+
+def test_eval_mode_is_decomposed_and_imported_only_when_its_trace_differs(monkeypatch):
+    decompositions = []
+    decompose = torch.export.ExportedProgram.run_decompositions
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions",
+                        lambda self, *a, **k: decompositions.append(1) or decompose(self, *a, **k))
+    x = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(0))
+    y = np.arange(BATCH) % 3
+    model = from_torch(Dropper(0.0), (torch.zeros(BATCH, 4),))  # p=0: the same in both modes
+    assert len(decompositions) == 1 and model.eval_func is None
+    net = TrainDoubles()
+    model = from_torch(net, (x,))
+    assert len(decompositions) == 3 and model.eval_func == "main_eval"
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1))
+    loss, grads = trainer.gradients((x.numpy(),), y)
+    expected = nn.functional.cross_entropy(net.train()(x), torch.from_numpy(y))
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    np.testing.assert_allclose(grads["fc.weight"], net.fc.weight.grad.numpy(), rtol=GRAD_RTOL,
+                               atol=GRAD_ATOL)
+    with torch.no_grad():
+        np.testing.assert_allclose(trainer.predict((x.numpy(),)), net.eval()(x).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
 class Branchy(nn.Module):
     def forward(self, x):
         return x * 2 if x.sum() > 0 else x  # data-dependent control flow: export cannot trace
