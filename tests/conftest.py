@@ -1,6 +1,6 @@
-"""Suite-wide settings: compiled modules are cached in a folder of this run only (the Trainer
-caches by default; a user's cache folder is never read or written by the tests); under
-pytest-xdist, each worker's thread pools take its share of the cores."""
+"""Suite-wide settings: compiled modules are cached in a folder of this run only, shared by its
+workers (the Trainer caches by default; a user's cache folder is never read or written by the
+tests); under pytest-xdist, each worker's thread pools take its share of the cores."""
 
 import atexit
 import os
@@ -16,6 +16,10 @@ if _WORKERS > 1:
     for _name in ("TVM_NUM_THREADS", "OMP_NUM_THREADS"):
         os.environ.setdefault(_name, _SHARE)
 
-_CACHE = tempfile.mkdtemp(prefix="relaxgrad-test-cache-")
-os.environ["RELAXGRAD_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, True)
+# One cache folder for the whole run: made by the first process (pytest-xdist's controller, which
+# loads this file before it starts its workers), inherited by the workers and the processes the
+# tests start, and removed by the process that made it.
+if "RELAXGRAD_TEST_CACHE" not in os.environ:
+    os.environ["RELAXGRAD_TEST_CACHE"] = tempfile.mkdtemp(prefix="relaxgrad-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["RELAXGRAD_TEST_CACHE"], True)
+os.environ["RELAXGRAD_CACHE_DIR"] = os.environ["RELAXGRAD_TEST_CACHE"]
