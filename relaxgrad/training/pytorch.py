@@ -273,6 +273,7 @@ def _same_trace(a, b) -> bool:
 
 
 def _same_constant(a, b) -> bool:
+    """Equal tensors (dtype, shape and values), or one and the same other object."""
     import torch
 
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
