@@ -155,22 +155,20 @@ def from_torch(
     finally:
         for submodule, training in modes.items():
             submodule.training = training
-    train = _import(train_program, module, "train", input_names, buffer_keys,
-                    dropout, aliases)
-    evaluation = train  # no random ops and the same trace: the same function
-    if train[2] is not None or not _same_trace(train_program, eval_program):
-        evaluation = _import(eval_program, module, "eval", input_names,
-                             buffer_keys, dropout, aliases)
-
     names = input_names + param_keys + buffer_keys
-    (train, renames, key, kernels), (evaluation, eval_renames, _, _) = train, evaluation
+    train, renames, key, kernels = _import(train_program, module, "train", input_names,
+                                           buffer_keys, dropout, aliases)
     train = _with_param_names(train, renames, names, len(example_inputs), key)
-    evaluation = _with_param_names(evaluation, eval_renames, names, len(example_inputs))
     mod = with_function(IRModule(kernels), func_name, train)
     eval_func = None  # the same function in both modes (no BatchNorm, no dropout...)
-    if not tvm_ffi.structural_equal(train, evaluation):
-        eval_func = f"{func_name}_eval"
-        mod = with_function(mod, eval_func, evaluation)
+    # with no random ops and the same trace, the eval-mode function is the train-mode one
+    if key is not None or not _same_trace(train_program, eval_program):
+        evaluation, eval_renames, _, _ = _import(eval_program, module, "eval", input_names,
+                                                 buffer_keys, dropout, aliases)
+        evaluation = _with_param_names(evaluation, eval_renames, names, len(example_inputs))
+        if not tvm_ffi.structural_equal(train, evaluation):
+            eval_func = f"{func_name}_eval"
+            mod = with_function(mod, eval_func, evaluation)
     tensors = [*module.named_parameters(), *module.named_buffers()]
     # views of the module's tensors, not copies: the Trainer copies them once, to the device
     values = {k: _read_only(v.detach().cpu().numpy()) for k, v in tensors}
