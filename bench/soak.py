@@ -283,6 +283,7 @@ def main(argv=None) -> int:
     counts: dict[str, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.folder or scratch
+        os.makedirs(folder, exist_ok=True)
         for model in args.models.split(","):
             kill_case(model, args.rounds, args.steps, folder, rng, counts)
             bad_files_case(model, args.rounds, folder, rng, counts)

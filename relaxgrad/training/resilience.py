@@ -102,11 +102,13 @@ def rotate(path: str, keep: int) -> None:
 
 def checkpoints(path: str) -> list[str]:
     """``path`` and its numbered predecessors ``path.1``, ``path.2``, ... that exist, newest
-    first."""
+    first; none where ``path``'s folder does not exist (a run's first start)."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return []
     pattern = re.compile(re.escape(name) + r"\.([1-9][0-9]*)")
-    numbers = sorted(int(m.group(1)) for f in os.listdir(folder or ".")
+    numbers = sorted(int(m.group(1)) for f in os.listdir(folder)
                      if (m := pattern.fullmatch(f)))  # fmt: skip
     found = [path] if os.path.exists(path) else []
     return found + [_numbered(path, k) for k in numbers]

@@ -23,6 +23,7 @@ from relaxgrad.training import (
     mlp,
     schedules,
 )
+from relaxgrad.training.resilience import checkpoints
 from relaxgrad.training.runtime_runner import Runner
 from relaxgrad.training.state import StateFileError, read_state, write_state
 
@@ -257,8 +258,12 @@ def test_keep_rotates_and_fallback_skips_broken_files(tmp_path, caplog):
     (tmp_path / "ckpt.2").write_bytes(b"not a checkpoint")
     with pytest.raises(StateFileError, match="no intact checkpoint"):
         _trainer().load(path, fallback=True)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
         _trainer().load(tmp_path / "none", fallback=True)
+    # a run's first start, in a folder it has not made yet: nothing to resume, said as much
+    assert checkpoints(tmp_path / "new" / "ckpt") == []
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        _trainer().load(tmp_path / "new" / "ckpt", fallback=True)
 
 
 def test_leftovers_go_and_a_full_disk_keeps_the_previous_file(tmp_path, monkeypatch):
