@@ -1,9 +1,12 @@
 """The digits split and the minibatch order."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from relaxgrad.training import load_digits, minibatches
+from relaxgrad.training import datasets, load_digits, minibatches
 
 
 def test_digits_split_is_deterministic_and_normalized():
@@ -15,6 +18,31 @@ def test_digits_split_is_deterministic_and_normalized():
     assert a.x_train.dtype == np.float32 and a.y_train.dtype == np.int64
     assert abs(a.x_train.mean()) < 1e-5 and abs(a.x_train.std() - 1) < 1e-5
     assert a.num_classes == 10 and set(a.y_test) == set(range(10))
+
+
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    expected = sklearn_digits()
+    x, y = datasets._digits()
+    np.testing.assert_array_equal(x, expected.data)
+    np.testing.assert_array_equal(y, expected.target)
+    assert x.dtype == np.float64 and y.dtype == np.int64
+    # the split is that of scikit-learn's arrays
+    order = np.random.default_rng(0).permutation(len(y))[359:]  # 20% test
+    mean, std = expected.data[order].mean(), expected.data[order].std()
+    np.testing.assert_array_equal(load_digits().x_train,
+                                  ((expected.data[order] - mean) / std).astype("float32"))
+    # a process that loads the digits does not import scikit-learn
+    code = ("import sys; from relaxgrad.training import load_digits; load_digits(); "
+            "print('sklearn' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-2000:]
+    # where the file is not where scikit-learn keeps it: through scikit-learn
+    monkeypatch.setattr(datasets.os.path, "isfile", lambda path: False)
+    x2, y2 = datasets._digits()
+    np.testing.assert_array_equal(x2, expected.data)
+    np.testing.assert_array_equal(y2, expected.target)
 
 
 def test_digits_images():
