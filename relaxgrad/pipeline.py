@@ -69,7 +69,7 @@ from .schedules import (
     default_cpu_rules,
     onednn,
 )
-from .schedules._common import is_gpu
+from .schedules._common import calls_of, is_gpu
 from .schedules.concat import legalize_concat
 from .schedules.cpu import forget_inlined
 from .schedules.scatter import legalize_take_backward, legalize_take_backward_gpu
@@ -191,31 +191,44 @@ def _build(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
     if is_gpu(target):
         return tvm.compile(mod, target, relax_pipeline=gpu_pipeline(target, schedule))
     if target.kind.name == "llvm":
+        calls: set[str] = set()
         try:
-            built = _build_cpu(mod, cpu_target(target), schedule)
+            built = _build_cpu(mod, cpu_target(target), schedule, calls)
         finally:
             forget_inlined()
-        return Executable(built.mod, blas.available(target) and blas.called_in(built.mod),
-                          onednn_linked=onednn.available(target) and onednn.called_in(built.mod))
+        return Executable(built.mod, blas.available(target) and blas.SGEMM in calls,
+                          onednn_linked=onednn.available(target) and onednn.SYMBOL in calls)
     return tvm.compile(mod, target)
 
 
-def _build_cpu(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
-    """``mod`` built with :func:`cpu_pipeline`. With the default schedule step, the schedules
+def _build_cpu(mod: IRModule, target: Target, schedule, calls: set) -> relax.VMExecutable:
+    """``mod`` built with :func:`cpu_pipeline`; adds to ``calls`` the library functions its
+    kernels call (:func:`~relaxgrad.schedules._common.calls_of` of the pipeline's result). With
+    the default schedule step, the schedules
     are first taken unchecked (``ScheduleCPU(verify=False)``): lowering each function to check
     it costs about as much again as the build's own lowering (2 s of a small MobileNetV2's
     compile), and the rules' schedules lower. Should the build fail, it runs again with each
     schedule checked, one that TVM cannot lower giving way to the next rule."""
+
+    def build(step):
+        @tvm.transform.module_pass(opt_level=0, name="relaxgrad.RecordCalls")
+        def record(module, _context):
+            calls.update(calls_of(module))
+            return module
+
+        pipeline = tvm.transform.Sequential([cpu_pipeline(target, step), record])
+        return tvm.compile(mod, target, relax_pipeline=pipeline)
+
     if schedule is not None:
-        return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, schedule))
-    unchecked = ScheduleCPU(default_cpu_rules(), verify=False)
+        return build(schedule)
     try:
-        return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, unchecked))
+        return build(ScheduleCPU(default_cpu_rules(), verify=False))
     except GradientError:
         raise
     except Exception:  # noqa: BLE001 - a TVM error of the build: again, schedules checked
         _log.info("compile: the build failed with unchecked schedules; building again")
-        return tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target))
+        calls.clear()
+        return build(None)
 
 
 class Executable(relax.VMExecutable):

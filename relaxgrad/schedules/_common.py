@@ -19,6 +19,21 @@ from .. import _ty
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
 ELEMWISE, INJECTIVE, COMM_REDUCE, OPAQUE = 0, 2, 3, 8  # relax's OpPatternKind
 SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
+#: the attribute of a PrimFunc that calls a library's function (``T.call_extern``): its symbol.
+#: ``relaxgrad.compile`` reads it to know which libraries a build calls (:func:`calls_of`).
+CALLS = "relaxgrad.calls"
+
+
+def calling(func: tirx.PrimFunc, symbol: str) -> tirx.PrimFunc:
+    """``func`` marked as calling the library function ``symbol`` (:data:`CALLS`)."""
+    return func.with_attr(CALLS, symbol)
+
+
+def calls_of(mod: IRModule) -> set[str]:
+    """The library functions the PrimFuncs of ``mod`` are marked as calling (:func:`calling`)."""
+    return {str(func.attrs[CALLS]) for func in mod.functions.values()
+            if isinstance(func, tirx.PrimFunc) and func.attrs is not None
+            and CALLS in func.attrs}  # fmt: skip
 
 
 def parsed_script(template: Callable, values: dict) -> tirx.PrimFunc:

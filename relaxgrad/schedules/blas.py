@@ -51,6 +51,7 @@ from .. import _ty
 from ._common import (
     OPAQUE,
     bound_values,
+    calling,
     is_op,
     may_change,
     parsed_script,
@@ -91,14 +92,6 @@ def _load_sgemm() -> tuple[str | None, str]:
     if corename is not None:
         corename.restype = ctypes.c_char_p
     return "scipy_cblas_sgemm", (corename().decode() if corename is not None else "")
-
-
-def called_in(module: tvm.runtime.Module) -> bool:
-    """Whether the compiled code of ``module`` (an executable's, built in this process) calls
-    :data:`SGEMM`."""
-    return SGEMM is not None and any(
-        SGEMM in m.inspect_source("ll") for m in module.imports if m.kind == "llvm"
-    )
 
 
 def link_options() -> list[str]:
@@ -278,7 +271,7 @@ def gemm_func(
     set_threads = _SET_THREADS
     row_step, col_step = (0, step) if by_cols else (step, 0)
 
-    return parsed_script(_gemm_func_script, locals())
+    return calling(parsed_script(_gemm_func_script, locals()), symbol)
 
 
 def _split_k_func_script(
@@ -367,7 +360,7 @@ def _split_k_func(
     a_size, b_size = math.prod(a_shape), math.prod(b_shape)
     symbol, out_size, flush, set_threads = SGEMM, m * n, FLUSH_DENORMALS, _SET_THREADS
 
-    return parsed_script(_split_k_func_script, locals())
+    return calling(parsed_script(_split_k_func_script, locals()), symbol)
 
 
 def _head_gemm(a, b, out, task, symbol, shape, flags, leading, heads, out_batch, column, step):
@@ -462,7 +455,7 @@ def _parsed_tasks(lines: list[str], extra: dict) -> tirx.PrimFunc:
     extra = {**extra, "T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "OPAQUE": OPAQUE,
              "SGEMM": SGEMM}  # fmt: skip
     func = parse("\n".join(lines) + "\n", extra_vars=extra, check_well_formed=False)
-    return func.without_attr("global_symbol")
+    return calling(func.without_attr("global_symbol"), SGEMM)
 
 
 def _part_gemm(a, b, out, task, symbol, step, m, n, k, lda, offset, trans_b, first):

@@ -41,7 +41,15 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import tirx as T
 
 from .. import _ty
-from ._common import OPAQUE, is_op, may_change, parsed_script, rewrite_functions, static_shape
+from ._common import (
+    OPAQUE,
+    calling,
+    is_op,
+    may_change,
+    parsed_script,
+    rewrite_functions,
+    static_shape,
+)
 from .blas import THREADS, _untransposed, native_arch
 
 __all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "library_path",
@@ -130,12 +138,6 @@ def available(target=None) -> bool:
     return target is None or native_arch(target)
 
 
-def called_in(module: tvm.runtime.Module) -> bool:
-    """Whether the compiled code of ``module`` calls oneDNN."""
-    return _loaded() and any(SYMBOL in m.inspect_source("ll") for m in module.imports
-                             if m.kind == "llvm")  # fmt: skip
-
-
 def link_options() -> list[str]:
     """Linker options for an exported library calling oneDNN: ``-l`` of :func:`library_path`
     and run paths ``$ORIGIN`` then the wheel's folder."""
@@ -198,7 +200,7 @@ def gemm_func(a_shape, b_shape, out_shape, trans_a: bool, trans_b: bool) -> tvm.
     a_size, b_size, out_size = (math.prod(s) for s in (a_shape, b_shape, out_shape))
     parallel = tasks > 1 and batch * m * n * k >= 1 << 20
     symbol, set_threads = SYMBOL, _SET_THREADS
-    return parsed_script(_gemm_script, locals())
+    return calling(parsed_script(_gemm_script, locals()), symbol)
 
 
 @tvm.transform.module_pass(opt_level=0, name="Bf16MatmulToOneDNN")

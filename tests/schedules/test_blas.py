@@ -596,3 +596,24 @@ def test_only_executables_calling_openblas_link_it():
     small = relaxgrad.compile(_module((8, 8), (8, 8), False, False))
     large = relaxgrad.compile(_module(*CASES[0]))
     assert not small.blas_linked and large.blas_linked
+
+
+@pytest.mark.parametrize("name", ["small", "gemm", "heads", "cnn_step"])
+def test_an_executable_links_openblas_exactly_when_its_machine_code_calls_it(name):
+    """``blas_linked`` comes from the marks of the PrimFuncs the pipeline leaves
+    (``relaxgrad.calls``); the machine code is the truth: an sgemm call left unmarked would
+    make an exported library that cannot load, a mark left on no call a needless link."""
+    if name == "cnn_step":
+        from relaxgrad.training import SGD, CrossEntropyLoss, cnn
+        from relaxgrad.training.trainer import training_module
+
+        model = cnn(batch_size=64, image=(3, 16, 16), seed=0)  # convolutions through sgemm
+        mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), SGD(0.1))
+    else:
+        mod = {"small": lambda: _module((8, 8), (8, 8), False, False),
+               "gemm": lambda: _module(*CASES[0]),
+               "heads": lambda: _heads_module([(False, False), (True, False)], flat=True)}[name]()
+    executable = relaxgrad.compile(mod)
+    code = "".join(m.inspect_source("ll") for m in executable.mod.imports if m.kind == "llvm")
+    assert executable.blas_linked == (blas.SGEMM in code)
+    assert executable.blas_linked == (name != "small")
