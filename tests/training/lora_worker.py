@@ -34,10 +34,11 @@ class Logits(torch.nn.Module):
         return logits.reshape(-1, logits.shape[-1])
 
 
-def trainer():
+def model():
+    """The LoRA model (imported once; each :func:`trainer` of it starts from its weights)."""
     import transformers as tf
 
-    from relaxgrad.training import AdamW, CrossEntropyLoss, Trainer, from_torch, lora, schedules
+    from relaxgrad.training import from_torch, lora
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
@@ -46,11 +47,18 @@ def trainer():
     config._attn_implementation = "eager"
     net = Logits(tf.LlamaForCausalLM(config)).train()
     x, _ = data()
-    model = lora(from_torch(net, (torch.from_numpy(x[:BATCH]),)), ["q_proj", "v_proj"], r=4,
-                 alpha=8, seed=3)
-    assert model.key is not None  # dropout is drawn, so the key's counter must resume too
+    adapted = lora(from_torch(net, (torch.from_numpy(x[:BATCH]),)), ["q_proj", "v_proj"], r=4,
+                   alpha=8, seed=3)
+    assert adapted.key is not None  # dropout is drawn, so the key's counter must resume too
+    return adapted
+
+
+def trainer(adapted):
+    """A fresh Trainer of :func:`model`'s result."""
+    from relaxgrad.training import AdamW, CrossEntropyLoss, Trainer, schedules
+
     total = EPOCHS * ROWS // BATCH
-    return Trainer.for_model(model, CrossEntropyLoss(ignore_index=-100), AdamW(3e-2),
+    return Trainer.for_model(adapted, CrossEntropyLoss(ignore_index=-100), AdamW(3e-2),
                              schedule=schedules.cosine(2, total), max_grad_norm=0.5,
                              progress=False, seed=11)
 
@@ -70,7 +78,7 @@ def train(run, checkpoint=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    run = trainer()
+    run = trainer(model())
     step = run.step
 
     def dying_step(*args):

@@ -210,9 +210,10 @@ def test_a_killed_lora_fine_tune_resumes_to_the_uninterrupted_run(tmp_path):
     done = subprocess.run([sys.executable, lora_worker.__file__, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    straight = lora_worker.trainer()
+    model = lora_worker.model()
+    straight = lora_worker.trainer(model)
     losses = lora_worker.train(straight)
-    resumed = lora_worker.trainer()
+    resumed = lora_worker.trainer(model)
     resumed.load(tmp_path / "ckpt")
     assert resumed.steps == lora_worker.KILLED_AT
     assert lora_worker.train(resumed) == losses[lora_worker.KILLED_AT:]
