@@ -344,13 +344,26 @@ def _uniform_suffix(block: tirx.SBlock, variables: list) -> int:
 
 
 def _reads_along(block: tirx.SBlock, var: tirx.Var) -> bool:
-    """Whether ``block`` reads some buffer along ``var`` (its innermost index) and every buffer
-    it reads with ``var`` there only."""
+    """Whether ``block`` reads some buffer along ``var`` (its innermost index, trailing
+    dimensions of size 1 aside: a 1x1 convolution's ``(O, I, 1, 1)`` weight is a row of
+    ``I``) and every buffer it reads with ``var`` there only."""
+
+    def along(region) -> bool:
+        inner = _innermost_dimension(region.source)
+        return region.region[inner].min.same_as(var) and not any(
+            _mentions(x.min, var) for k, x in enumerate(region.region) if k != inner)
+
     uses = [r for r in block.reads if any(_mentions(x.min, var) for x in r.region)]
-    return bool(uses) and all(
-        r.region[-1].min.same_as(var) and not any(_mentions(x.min, var) for x in r.region[:-1])
-        for r in uses
-    )
+    return bool(uses) and all(along(r) for r in uses)
+
+
+def _innermost_dimension(buffer) -> int:
+    """The innermost dimension of ``buffer`` whose size is not a static 1 (0 if none is)."""
+    inner = len(buffer.shape) - 1
+    while inner > 0 and isinstance(buffer.shape[inner], tirx.IntImm) and (
+            int(buffer.shape[inner]) == 1):  # fmt: skip
+        inner -= 1
+    return inner
 
 
 def _mentions(expr, var: tirx.Var) -> bool:
