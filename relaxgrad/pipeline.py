@@ -203,12 +203,13 @@ def _build(mod: IRModule, target: Target, schedule) -> relax.VMExecutable:
 
 def _build_cpu(mod: IRModule, target: Target, schedule, calls: set) -> relax.VMExecutable:
     """``mod`` built with :func:`cpu_pipeline`; adds to ``calls`` the library functions its
-    kernels call (:func:`~relaxgrad.schedules._common.calls_of` of the pipeline's result). With
-    the default schedule step, the schedules
-    are first taken unchecked (``ScheduleCPU(verify=False)``): lowering each function to check
-    it costs about as much again as the build's own lowering (2 s of a small MobileNetV2's
-    compile), and the rules' schedules lower. Should the build fail, it runs again with each
-    schedule checked, one that TVM cannot lower giving way to the next rule."""
+    kernels call (the marks of the pipeline's result, read by
+    :func:`~relaxgrad.schedules._common.calls_of`: reading the LLVM module's text instead took
+    0.2-1 s a build). With the default schedule step, the schedules are first taken unchecked
+    (``ScheduleCPU(verify=False)``): lowering each function to check it costs about as much
+    again as the build's own lowering (2 s of a small MobileNetV2's compile), and the rules'
+    schedules lower. Should the build fail, it runs again with each schedule checked, one that
+    TVM cannot lower giving way to the next rule."""
 
     def build(step):
         @tvm.transform.module_pass(opt_level=0, name="relaxgrad.RecordCalls")
