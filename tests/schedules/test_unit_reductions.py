@@ -5,6 +5,8 @@ inlined epilogue was applied twice (``matmul(a, b) + c`` computed ``a @ b + 2 c`
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -122,7 +124,7 @@ def test_sums_over_trailing_dimensions_of_one_are_vector_partials(shape):
     assert reductions and all(schedule.choices[n] == "ParallelLoops" for n in reductions)
     code = "".join(m.inspect_source("ll") for m in executable.mod.imports if m.kind == "llvm")
     if shape[1] % 8 == 0:
-        assert "fadd <8 x float>" in code or "<8 x float>" in code
+        assert re.search(r"<(4|8|16) x float>", code)  # the vector width is the CPU's
         assert code.count("\n") < 3000, code.count("\n")
     w = np.random.default_rng(2).standard_normal(shape).astype("float32")
     loss, (grad,) = relax.VirtualMachine(executable, tvm.cpu())["main_adjoint"](
