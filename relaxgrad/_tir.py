@@ -21,5 +21,9 @@ def selected(read, inside, fill=0):
     """``read`` (a buffer read at indices in bounds) where ``inside``, else ``fill``, with the
     read bound outside the select, so that the simplifier keeps its indices (see
     :func:`guarded`)."""
+    if read.dtype == "bfloat16":
+        # TVM's bf16 legalization (bf16 computed in float32) cannot take a Let of bf16: a
+        # branch instead, which reads only where ``inside`` holds
+        return tirx.if_then_else(inside, read, tirx.const(fill, read.dtype))
     value = tirx.Var("v", read.dtype)
     return tirx.Let(value, read, tirx.Select(inside, value, tirx.const(fill, read.dtype)))

@@ -98,6 +98,8 @@ class ConvToMatmul:
         return relax.transform.DeadCodeElimination()(rewrite_functions(rewriter, mod))
 
 
+_WIDENED = {("bfloat16", "float32"), ("float16", "float32")}
+"""Operand and result dtypes of the mixed-precision convolutions :class:`ConvToMatmul` takes."""
 RECOMPUTED = "relaxgrad.recomputed"
 """The attribute of a weight gradient's im2col computed again (:class:`ConvToMatmul`)."""
 BATCH_COLUMNS_BELOW = 128
@@ -160,7 +162,7 @@ class _Rewriter(PyExprMutator):
         if (
             any(s is None or len(s) != 4 for s in shapes)
             or int(attrs.groups) != 1
-            or any(_ty.dtype_of(t) != _ty.dtype_of(call) for t in (x, w))
+            or not self._dtypes(x, w, call)
         ):
             return call
         layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
@@ -172,6 +174,22 @@ class _Rewriter(PyExprMutator):
         if call.op.same_as(self.conv2d_transpose) and layouts == ("NCHW", "IOHW", "NCHW"):
             return self._data_grad(x, w, conv, *shapes)
         return call
+
+    def _dtypes(self, x, w, result) -> bool:
+        """Whether a convolution of ``x`` and ``w`` giving ``result`` is rewritten: all of one
+        dtype, or bfloat16 / float16 operands with a float32 result (mixed precision's
+        ``out_dtype``, :class:`~relaxgrad.transforms.MixedPrecision`), whose matmuls then
+        read the low dtype and accumulate into float32 (:meth:`_matmul`)."""
+        low, out = _ty.dtype_of(x), _ty.dtype_of(result)
+        if _ty.dtype_of(w) != low or (low != out and (low, out) not in _WIDENED):
+            return False
+        self.dtypes = (low, out)
+        return True
+
+    def _matmul(self, a, b) -> relax.Expr:
+        """``a @ b`` in the dtype of the convolution being rewritten (see :meth:`_dtypes`)."""
+        low, out = self.dtypes
+        return op.matmul(a, b, out_dtype=out if out != low else None)
 
     def _cropped_weight_grad(self, call: relax.Call) -> relax.Expr | None:
         """A weight gradient cropped to its kernel, ``strided_slice`` from 0 with stride 1 of
@@ -195,7 +213,7 @@ class _Rewriter(PyExprMutator):
             or any(begin)
             or any(v != 1 for v in strides or [])
             or shapes[3][:2] != shapes[2][:2]
-            or any(_ty.dtype_of(t) != _ty.dtype_of(call) for t in (x, g))
+            or not self._dtypes(x, g, call)
         ):
             return None
         return self._weight_grad(x, g, _Params(attrs), shapes[0], shapes[1], shapes[3])
@@ -334,7 +352,7 @@ class _Rewriter(PyExprMutator):
         taps = c * kh * kw
         if self._in_columns(n, o, taps, oh * ow):  # y^T (O, N*OH*OW) = W @ cols, one matmul
             cols = self._batch_columns(x, conv, x_shape, kh, kw, oh, ow)
-            y = op.reshape(op.matmul(op.reshape(w, (o, taps)), cols), (o, n, oh, ow))
+            y = op.reshape(self._matmul(op.reshape(w, (o, taps)), cols), (o, n, oh, ow))
             return op.permute_dims(y, [1, 0, 2, 3])
         if conv.pointwise(kh, kw):  # the image is its own im2col
             cols = op.reshape(x, (n, taps, oh * ow))
@@ -342,7 +360,7 @@ class _Rewriter(PyExprMutator):
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
             cols = op.reshape(self._im2col(x, conv, "ncrspq", extents, "im2col"),
                               (n, taps, oh * ow))  # fmt: skip
-        y = op.matmul(op.reshape(w, (o, taps)), cols)  # (n, o, oh * ow)
+        y = self._matmul(op.reshape(w, (o, taps)), cols)  # (n, o, oh * ow)
         return op.reshape(y, y_shape)
 
     def _weight_grad(self, x, g, conv: _Params, x_shape, g_shape, dw_shape) -> relax.Expr:
@@ -357,15 +375,18 @@ class _Rewriter(PyExprMutator):
         if self._in_columns(n, o, taps, oh * ow):  # the forward's columns: g^T @ cols^T
             cols = self._batch_columns(x, conv.swapped(), x_shape, kh, kw, oh, ow,
                                        self.recompute_columns)
-            dw = op.matmul(self._batch_rows(g, g_shape), op.permute_dims(cols))
+            dw = self._matmul(self._batch_rows(g, g_shape), op.permute_dims(cols))
             return op.reshape(dw, dw_shape)
-        if self.summed_batches:  # the forward's im2col, and sum_n g[n] @ cols[n]^T
+        # the forward's im2col, and sum_n g[n] @ cols[n]^T (BLAS accumulates it in one call;
+        # a mixed-precision product, for oneDNN, is one GEMM over the batch's pixels instead)
+        if self.summed_batches and self.dtypes[0] == self.dtypes[1]:
             forward = conv.swapped()
             extents = dict(n=n, c=c, r=kh, s=kw, p=oh, q=ow)
             cols = x if forward.pointwise(kh, kw) else \
                 self._im2col(x, forward, "ncrspq", extents, "im2col", self.recompute_columns)
             cols = op.reshape(cols, (n, taps, oh * ow))
-            products = op.matmul(op.reshape(g, (n, o, oh * ow)), op.permute_dims(cols, [0, 2, 1]))
+            products = self._matmul(op.reshape(g, (n, o, oh * ow)),
+                                    op.permute_dims(cols, [0, 2, 1]))
             return op.reshape(op.collapse_sum_to(products, (o, taps)), dw_shape)
         extents = dict(c=c, p=kh, q=kw, n=n, r=oh, s=ow)
         cols = op.reshape(self._im2col(x, conv, "cpqnrs", extents, "im2col_t"), (taps, n * oh * ow))
@@ -375,8 +396,8 @@ class _Rewriter(PyExprMutator):
             depth = n * oh * ow // splits
             g3 = op.permute_dims(op.reshape(g2, (o, splits, depth)), [1, 0, 2])
             cols3 = op.permute_dims(op.reshape(cols, (taps, splits, depth)), [1, 2, 0])
-            return op.reshape(op.sum(op.matmul(g3, cols3), axis=[0]), dw_shape)
-        return op.reshape(op.matmul(g2, op.permute_dims(cols)), dw_shape)
+            return op.reshape(op.sum(self._matmul(g3, cols3), axis=[0]), dw_shape)
+        return op.reshape(self._matmul(g2, op.permute_dims(cols)), dw_shape)
 
     def _data_grad(self, g, w, conv: _Params, g_shape, w_shape, dx_shape) -> relax.Expr:
         # dx[n, c, y, x] = sum_{o, ky, kx} g[n, o, oy, ox] * w[o, c, ky, kx] where
@@ -388,7 +409,7 @@ class _Rewriter(PyExprMutator):
         wt = op.permute_dims(op.reshape(w, (o, taps)), [1, 0])
         stacked = self._in_columns(n, o, taps, gh * gw)  # cols (taps, n * ..), else (n, taps, ..)
         g2 = self._batch_rows(g, g_shape) if stacked else op.reshape(g, (n, o, gh * gw))
-        cols = self.builder_.emit(op.matmul(wt, g2))
+        cols = self.builder_.emit(self._matmul(wt, g2))
         if conv.pointwise(kh, kw) and [gh, gw] == [h, wd]:  # each tap is its own pixel
             if stacked:
                 return op.permute_dims(op.reshape(cols, (c, n, h, wd)), [1, 0, 2, 3])

@@ -2,7 +2,7 @@
 
 :class:`Bf16MatmulToOneDNN` rewrites ``R.matmul(a, b, out_dtype="float32")`` of bfloat16
 operands (what :class:`~relaxgrad.transforms.MixedPrecision` emits, forward and backward; static
-shapes, ``a`` and ``b`` of the same batch shape or ``b`` 2-D) into ``R.call_tir`` of a PrimFunc
+shapes, ``a`` and ``b`` each of the result's batch shape or 2-D) into ``R.call_tir`` of a PrimFunc
 that calls oneDNN's bf16 GEMM with float32 accumulation and result (``T.call_extern``). oneDNN
 is what PyTorch's CPU autocast runs: it picks AMX, AVX512_BF16 or AVX-512 code for the CPU at
 run time. The library is the ``onednn-cpu-gomp`` wheel's (oneDNN 3.2, CPU only, OpenMP from
@@ -16,14 +16,16 @@ backward's ``g @ w^T``), as for OpenBLAS. The batch, or else the rows, are split
 (``omp_set_num_threads`` sets the calling thread's own count).
 
 The kernel is chosen by the CPU's features at run time (:func:`bf16_kernel`): oneDNN where the
-CPU has AMX-BF16, which runs bf16 products several times faster than float32 ones. Elsewhere a
-bf16 product is computed as the float32 product of its operands converted to float32, which is
-the same arithmetic (a product of two bf16 values is exact in float32, and both accumulate in
-float32) and runs in OpenBLAS's sgemm: on an Intel Xeon with AVX512_BF16 but no AMX (2 cores),
-oneDNN's bf16 GEMM ran a 2048x2048x2048 product at 0.17 TFLOP/s and OpenBLAS's sgemm at 0.32.
-``RELAXGRAD_BF16_GEMM=onednn`` or ``=float32`` overrides the choice. Where oneDNN is missing
-too, or the target is another machine's, TVM's own code computes the product (bf16 converted
-to float32 in the kernel: correct, slower).
+CPU runs bf16 dot products faster than float32 ones, which is where it has AMX-BF16, or
+AVX512_BF16 without the AVX512_FP16 of Intel's Sapphire Rapids and later: an AMD EPYC (Zen 4, 2
+cores) ran a 2048x2048x2048 bf16 product at 0.41-0.43 TFLOP/s in oneDNN, OpenBLAS's sgemm its
+float32 product at 0.10. Elsewhere a bf16 product is computed as the float32 product of its
+operands converted to float32, which is the same arithmetic (a product of two bf16 values is
+exact in float32, and both accumulate in float32) and runs in OpenBLAS's sgemm: on an Intel Xeon
+with AVX512_BF16 and AVX512_FP16 whose AMX a virtual machine did not expose (2 cores), oneDNN's
+bf16 GEMM ran at 0.17 TFLOP/s and sgemm at 0.32. ``RELAXGRAD_BF16_GEMM=onednn`` or ``=float32``
+overrides the choice. Where oneDNN is missing too, or the target is another machine's, TVM's own
+code computes the product (bf16 converted to float32 in the kernel: correct, slower).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ from ._common import (
 )
 from .blas import THREADS, _untransposed, native_arch
 
-__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "library_path",
-           "link_options", "missing_units"]
+__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "faster_bf16",
+           "library_path", "link_options", "missing_units"]
 
 SYMBOL = "dnnl_gemm_bf16bf16f32"
 _SET_THREADS = "omp_set_num_threads"
@@ -126,7 +128,14 @@ def bf16_kernel() -> str:
     chosen = os.environ.get("RELAXGRAD_BF16_GEMM")
     if chosen in ("onednn", "float32"):
         return chosen
-    return "onednn" if "amx_bf16" in cpu_flags() else "float32"
+    return "onednn" if faster_bf16(cpu_flags()) else "float32"
+
+
+def faster_bf16(flags: set[str]) -> bool:
+    """Whether a CPU with these ``/proc/cpuinfo`` flags runs oneDNN's bf16 GEMM faster than
+    float32 products: AMX-BF16, or AVX512_BF16 without AVX512_FP16 (AMD's Zen 4 and later,
+    Intel's Cooper Lake; see the module docstring)."""
+    return "amx_bf16" in flags or ("avx512_bf16" in flags and "avx512_fp16" not in flags)
 
 
 def available(target=None) -> bool:
@@ -182,16 +191,16 @@ def _gemm_script(*, a_shape, a_size, a_stride, b_shape, b_size, b_stride, flag_a
 
 def gemm_func(a_shape, b_shape, out_shape, trans_a: bool, trans_b: bool) -> tvm.tirx.PrimFunc:
     """A PrimFunc ``(a, b, out)``: ``out[...] = op(a)[...] @ op(b)[...]`` for bfloat16 ``a``
-    and ``b`` and a float32 ``out``, ``b`` batched like ``out`` or 2-D."""
+    and ``b`` and a float32 ``out``, each of ``a`` and ``b`` batched like ``out`` or 2-D."""
     m, n = out_shape[-2:]
     k = a_shape[-2] if trans_a else a_shape[-1]
     batch = math.prod(out_shape[:-2])
-    b_batched = len(b_shape) > 2
-    if batch > 1 and not b_batched and not trans_a:  # one GEMM over the stacked rows of a
+    a_batched, b_batched = len(a_shape) > 2, len(b_shape) > 2
+    if batch > 1 and a_batched and not b_batched and not trans_a:  # one GEMM, a's rows stacked
         m, batch = m * batch, 1
     lda, ldb = (m if trans_a else k), (k if trans_b else n)
     flag_a, flag_b = ord("T" if trans_a else "N"), ord("T" if trans_b else "N")
-    a_stride, b_stride = m * k, k * n * b_batched
+    a_stride, b_stride = m * k * a_batched, k * n * b_batched
     a_row = 1 if trans_a else k
     rows_per = THREADS if batch < THREADS and m >= 2 * THREADS else 1
     row_step = -(-m // rows_per)
@@ -290,8 +299,8 @@ class _Rewriter(PyExprMutator):
         if [_ty.dtype_of(t) for t in (*call.args, call)] != ["bfloat16", "bfloat16", "float32"]:
             return None
         a_shape, b_shape, out_shape = shapes
-        if len(a_shape) != len(out_shape) or (len(b_shape) > 2 and b_shape[:-2] != out_shape[:-2]):
+        if any(len(s) > 2 and s[:-2] != out_shape[:-2] for s in (a_shape, b_shape)):
             return None  # a broadcast batch: left to TVM
-        if a_shape[:-2] != out_shape[:-2] or math.prod(out_shape) * a_shape[-1] < _MIN_MACS:
+        if math.prod(out_shape) * a_shape[-1] < _MIN_MACS:
             return None
         return out_shape

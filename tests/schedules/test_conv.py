@@ -13,7 +13,7 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.pipeline import cpu_pipeline, host_target
-from relaxgrad.schedules import conv
+from relaxgrad.schedules import conv, onednn
 from relaxgrad.schedules.conv import ConvToMatmul
 
 CASES = [
@@ -187,3 +187,43 @@ def test_max_pool_gradient_matches_tvm_with_ties(x_shape, window, relu):
     want = _run(tvm.compile(mod, "llvm"), [data])
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def _bf16_adjoint(x_shape, w_shape, conv_attrs) -> tvm.IRModule:
+    """:func:`_adjoint` with the convolution in bfloat16 (mixed precision: bf16 operands, a
+    float32 result; the gradient's convolutions read g in bf16)."""
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    w = relax.Var("w", relax.TensorType(w_shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.conv2d(x, w, **conv_attrs))
+            out = bb.emit_output(op.sum(op.multiply(y, y)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.transforms.MixedPrecision("bf16")(bb.get())
+    return relaxgrad.Gradient("main")(mod)
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "float32"])
+@pytest.mark.parametrize("x_shape, w_shape, conv_attrs", [CASES[i] for i in (0, 1, 6, 8)])
+def test_bf16_conv_gradients_are_matmuls_with_tvms_values(x_shape, w_shape, conv_attrs, kernel,
+                                                          monkeypatch):
+    """Mixed-precision convolutions (bf16 operands, float32 result) become im2col / col2im and
+    bf16 matmuls accumulating in float32 (oneDNN's GEMM, or sgemm of the conversions, as
+    ``RELAXGRAD_BF16_GEMM`` picks), with the values of TVM's own bf16 convolutions to a bf16
+    rounding of the gradients."""
+    monkeypatch.setenv("RELAXGRAD_BF16_GEMM", kernel)
+    mod = _bf16_adjoint(x_shape, w_shape, conv_attrs)
+    rewritten = ConvToMatmul()(mod)
+    assert "relax.nn.conv2d" not in rewritten.script()
+    assert 'out_dtype="float32"' in rewritten.script()
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
+    want = _run(tvm.compile(mod, "llvm"), inputs)
+    executable = relaxgrad.compile(mod, cache=False)
+    macs = x_shape[0] * int(np.prod(w_shape)) * x_shape[2] * x_shape[3]  # ~ the forward's
+    if macs >= 4 * onednn._MIN_MACS or macs < onednn._MIN_MACS // 4:  # (oneDNN's smallest)
+        big = macs >= onednn._MIN_MACS
+        assert executable.onednn_linked == (kernel == "onednn" and onednn.available() and big)
+    for g, w in zip(_run(executable, inputs), want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2 * np.abs(w).max())

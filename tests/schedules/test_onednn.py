@@ -54,7 +54,18 @@ CASES = {
     "stacked": ((4, 24, 64), (64, 80), False, False),  # a batch of rows, one weight
     "batched": ((3, 40, 32), (3, 32, 48), False, False),  # attention's products
     "batched_trans": ((3, 40, 32), (3, 48, 32), False, True),
+    "broadcast_a": ((40, 96), (3, 96, 48), False, False),  # a convolution: W @ im2col[n]
+    "broadcast_a_trans": ((96, 40), (3, 96, 48), True, False),  # its data gradient: W^T @ g[n]
 }
+
+
+def test_kernel_follows_the_cpus_bf16_units():
+    """oneDNN where bf16 dot products outrun float32 (AMX, or AVX512_BF16 as on AMD's Zen 4),
+    sgemm of the conversions elsewhere (an Intel AVX512_FP16 CPU with AMX hidden, AVX2)."""
+    assert onednn.faster_bf16({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert onednn.faster_bf16({"avx512f", "avx512_bf16"})
+    assert not onednn.faster_bf16({"avx512f", "avx512_bf16", "avx512_fp16"})
+    assert not onednn.faster_bf16({"avx2", "fma"})
 
 
 @needs_onednn
