@@ -23,6 +23,11 @@ reads its value twice, and a copy of the polynomials' ``Let`` bindings made ``Ve
 fail ("Let cannot bind the same var to two different values"): a mixed-precision MLP's ``tanh``
 then cast.
 
+- ``Cast("float32", Cast("bfloat16", x))`` of a float32 ``x`` (a value rounded to bfloat16:
+  mixed precision's gradients of a product's operands, read back in float32) into that rounding
+  on ``x``'s bits (:func:`bf16_rounded`), with no bfloat16 value at all: TVM's legalization of
+  the two casts, fused into a batch norm's gradient with a select of a scalar, crashed LLVM's
+  code generator (ResNet-50 in bf16).
 - ``T.rsqrt(x)`` of any float dtype into ``1 / T.sqrt(x)``, what LLVM computes for it anyway:
   TVM's ``VectorizeLoop`` cannot vectorize ``rsqrt`` and scalarizes the whole loop (every
   normalization's gradient has one), leaving it to LLVM's loop vectorizer, which LLVM 22
@@ -152,11 +157,38 @@ def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Let(var, x, erf(var))
 
 
+def bf16_rounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A float32 ``x`` rounded to the nearest bfloat16 (ties to even), as float32: on its bits,
+    ``(bits + 0x7FFF + (bits >> 16 & 1)) & 0xFFFF0000`` (TVM's rounding of a cast), overflowing
+    to infinity past bfloat16's largest finite value; a NaN stays ``x``."""
+
+    def const(v):
+        return tirx.const(v, "uint32")
+
+    bits = tirx.Var("bits", "uint32")
+    odd = tirx.bitwise_and(tirx.shift_right(bits, const(16)), const(1))
+    rounded = tirx.bitwise_and(bits + const(0x7FFF) + odd, const(0xFFFF0000))
+    nan = tirx.bitwise_and(bits, const(0x7FFFFFFF)) > const(0x7F800000)  # (x != x folds away)
+    value = tirx.Var("x", "float32")
+    body = tirx.Select(nan, value, tirx.reinterpret("float32", rounded))
+    return tirx.Let(value, x, tirx.Let(bits, tirx.reinterpret("uint32", value), body))
+
+
+def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
+    """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`."""
+    inner = cast.value
+    if (str(cast.ty) == "float32" and isinstance(inner, tirx.Cast)
+            and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"):
+        return bf16_rounded(inner.value)
+    return cast
+
+
 @tvm.transform.module_pass(opt_level=0, name="FastMath")
 class FastMath:
     """Rewrite float32 ``T.exp``, ``T.tanh``, ``T.sigmoid`` and ``T.erf`` of the module's
     PrimFuncs into :func:`fast_exp`, :func:`fast_tanh`, :func:`fast_sigmoid` and
-    :func:`fast_erf`, and ``T.rsqrt`` of any float dtype into :func:`reciprocal_sqrt`."""
+    :func:`fast_erf`, ``T.rsqrt`` of any float dtype into :func:`reciprocal_sqrt`, and float32
+    values rounded to bfloat16 into :func:`bf16_rounded`."""
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         rules = [(Op.get(f"tirx.{name}"), rule) for name, rule in
@@ -187,6 +219,7 @@ class FastMath:
         for gvar, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
                 body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite))
+                body = tvm_ffi.structural_map(body, (tirx.Cast, _round_trip))
                 if not body.same_as(func.body):
                     body = tvm_ffi.structural_map(body, (tirx.BufferStore, bound_before_store))
                 if not body.same_as(func.body):

@@ -107,3 +107,34 @@ def test_rsqrt_becomes_a_division_tvm_vectorizes():
         lib["main"](tvm.runtime.tensor(x), y)
         np.testing.assert_allclose(y.numpy(), 1 / np.sqrt(x), rtol=2e-7 if dtype == "float32"
                                    else 1e-15)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_round_trips_through_bf16_are_rounded_on_bits(vectorize):
+    """``Cast(float32, Cast(bfloat16, x))`` becomes rounding on x's bits (no bfloat16 left):
+    nearest, ties to even, the largest values to infinity, NaN kept, as ml_dtypes' and TVM's
+    casts round; checked against numpy's rounding of the same bits."""
+
+    def round_trip(x):
+        return x.astype("bfloat16").astype("float32")
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 50_000, dtype="uint64").astype("uint32")
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0x7F7F7FFF, 0x00008000,
+                     0x00018000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000000, 0x80000000],
+                    "uint32")  # fmt: skip
+    xs = np.concatenate([bits, ties]).view("float32")
+    xs = np.pad(xs, (0, -len(xs) % 16))
+    mod = _compiled(round_trip, len(xs), "float32", vectorize)
+    assert "bfloat16" not in mod.script()
+    out = tvm.runtime.tensor(np.zeros_like(xs))
+    tvm.compile(mod, target="llvm")(tvm.runtime.tensor(xs), out)
+    got = out.numpy()
+    x_bits = xs.view("uint32").astype("uint64")
+    want = (((x_bits + 0x7FFF + ((x_bits >> 16) & 1)) & 0xFFFF0000).astype("uint32")
+            .view("float32"))  # fmt: skip
+    nan = np.isnan(xs)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view("uint32"), want[~nan].view("uint32"))
+    special = got[len(bits) : len(bits) + len(ties)]
+    assert special[3] == np.inf  # float32's largest: past bfloat16's largest finite value
