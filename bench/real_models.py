@@ -65,8 +65,12 @@ for bf16 on a CPU). The header names the CPU and its bf16 instructions: figures 
 machines (an Intel Xeon with AMX runs bf16 products several times faster than float32; a CPU
 without bf16 instructions, not at all).
 
+``--precision fp32 bf16`` runs both in each round, interleaved (a table each, then relaxgrad's
+bf16 step and peak RSS against its float32 ones); ``--frameworks bf16:eager bf16:compile
+bf16:relaxgrad fp32:relaxgrad`` runs only those children.
+
 Run ``python bench/real_models.py [--models bert resnet50 gpt2] [--runs 3] [--steps 5]
-[--precision fp32|bf16] [--small]``.
+[--precision fp32 bf16] [--frameworks PRECISION:FRAMEWORK ...] [--small]``.
 """
 
 from __future__ import annotations
@@ -92,13 +96,17 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--small", action="store_true", help="tiny configs, to try the bench")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32"],
+                        help="one or both, interleaved in each round")
+    parser.add_argument("--frameworks", nargs="+", default=None, metavar="PRECISION:FRAMEWORK",
+                        help="run only these, e.g. bf16:eager fp32:relaxgrad (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "FRAMEWORK"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 ARGS = parse_args()
+PRECISION = ARGS.precision[0]  # a child's
 os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool starts
 
 
@@ -170,7 +178,7 @@ def torch_step(module, x, y, compiled: bool):
 
     module.train()
     net = torch.compile(module) if compiled else module
-    autocast = torch.bfloat16 if ARGS.precision == "bf16" else None
+    autocast = torch.bfloat16 if PRECISION == "bf16" else None
     return torch_adam_step(net, x, torch.from_numpy(y), module.parameters(), autocast)
 
 
@@ -179,7 +187,7 @@ def relaxgrad_trainer(module, x):
 
     model = from_torch(module, (x,))
     trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-3), cache=False,
-                                progress=False, precision=ARGS.precision)
+                                progress=False, precision=PRECISION)
     return trainer, x.numpy()
 
 
@@ -203,10 +211,10 @@ def kernels(framework: str) -> str:
 
         from relaxgrad.schedules import blas, onednn
 
-        if ARGS.precision == "bf16":
+        if PRECISION == "bf16":
             if onednn.available() and onednn.bf16_kernel() == "onednn":
-                return "bf16 products in oneDNN"
-            return "bf16 products as OpenBLAS sgemm of the float32 conversions (no AMX)"
+                return f"bf16 products in oneDNN, ISA {onednn.isa()}"
+            return "bf16 products as OpenBLAS sgemm of the float32 conversions"
 
         if blas.SGEMM is None:
             return "TVM's own matmuls"
@@ -266,10 +274,10 @@ def child(name: str, framework: str) -> dict:
 # ---------------------------------------------------------------- the parent: rounds, table
 
 
-def run_child(name: str, framework: str) -> dict:
+def run_child(name: str, framework: str, precision: str) -> dict:
     args = [sys.executable, __file__, "--child", name, framework, "--steps", str(ARGS.steps),
             "--threads", str(ARGS.threads), "--batch", str(ARGS.batch),
-            "--precision", ARGS.precision]
+            "--precision", precision]
     if ARGS.small:
         args.append("--small")
     from _common import run_json_child
@@ -277,19 +285,23 @@ def run_child(name: str, framework: str) -> dict:
     return run_json_child(args, ARGS.timeout, "real-models-")
 
 
-def rounds(name: str) -> dict[str, list[dict]]:
-    """``--runs`` rounds of one child per framework, the order rotated each round."""
-    results: dict[str, list[dict]] = {fw: [] for fw in FRAMEWORKS}
+def rounds(name: str) -> dict[tuple[str, str], list[dict]]:
+    """``--runs`` rounds of one child per (precision, framework), the order rotated each
+    round."""
+    pairs = [(p, fw) for p in ARGS.precision for fw in FRAMEWORKS
+             if ARGS.frameworks is None or f"{p}:{fw}" in ARGS.frameworks]
+    results: dict[tuple[str, str], list[dict]] = {pair: [] for pair in pairs}
     for r in range(ARGS.runs):
-        for framework in FRAMEWORKS[r % 3:] + FRAMEWORKS[:r % 3]:
-            if any("error" in res for res in results[framework]):
+        shift = r % len(pairs)
+        for precision, framework in pairs[shift:] + pairs[:shift]:
+            if any("error" in res for res in results[(precision, framework)]):
                 continue
-            res = run_child(name, framework)
-            results[framework].append(res)
+            res = run_child(name, framework, precision)
+            results[(precision, framework)].append(res)
             brief = res.get("error") or (f"compile {res['compile_s']:.1f} s, median step "
                                          f"{sorted(res['step_s'])[len(res['step_s']) // 2]:.3f} s")
-            print(f"  {name} round {r + 1} {LABELS[framework]}: {brief}", file=sys.stderr,
-                  flush=True)
+            print(f"  {name} round {r + 1} {precision} {LABELS[framework]}: {brief}",
+                  file=sys.stderr, flush=True)
             if "stderr" in res:
                 print(res["stderr"], file=sys.stderr)
     return results
@@ -306,7 +318,7 @@ def summary(results: dict[str, list[dict]]) -> dict[str, dict]:
     for framework, runs in results.items():
         failed = [r["error"] for r in runs if "error" in r]
         if failed or not runs:
-            out[framework] = {"error": failed[0] if failed else "not run"}
+            out[framework] = {"error": failed[0] if failed else "not run", "not_run": not runs}
             continue
         medians = [statistics.median(r["step_s"]) for r in runs]
         out[framework] = {"step": spread(medians), "medians": medians,
@@ -334,6 +346,8 @@ def paired_ratio(ours: dict, theirs: dict):
 def cell_step(s: dict) -> str:
     from _common import fmt
 
+    if s.get("not_run"):
+        return "-"
     return "failed" if "error" in s else fmt(s["step"], 1e3, 0 if s["step"][0] >= 0.1 else 1)
 
 
@@ -360,6 +374,8 @@ HEADER = ("| model, batch {batch} | relaxgrad step ms | eager ms | torch.compile
 
 def notes(framework: str, s: dict) -> str:
     """What the table leaves out of one framework's summary ``s``."""
+    if s.get("not_run"):
+        return f"{LABELS[framework]} not run"
     if "error" in s:
         return f"{LABELS[framework]} failed: {s['error']}"
     workers = f", workers' RSS {s['workers_rss_mib']:.0f} MiB" if framework == "compile" else ""
@@ -385,19 +401,33 @@ def main() -> None:
               f"bench/real_models.py` to let it pick this CPU's own", flush=True)
     from _common import cpu_model
 
-    print(f"{cpu_model()}; precision {ARGS.precision}; "
+    print(f"{cpu_model()}; precision {' and '.join(ARGS.precision)}; "
           f"threads: {ARGS.threads}, batch {ARGS.batch}, torch {torch.__version__}, "
           f"{ARGS.runs} rounds x {ARGS.steps} timed steps{', small configs' if ARGS.small else ''}"
           f"; step: median of round medians (min-max); ratio: median of the rounds' ratios "
           f"(min-max)", flush=True)
     summaries = {}
     for name in ARGS.models:
-        summaries[name] = summary(rounds(name))
-    print(HEADER.format(batch=ARGS.batch))
-    for name, s in summaries.items():
-        print(row(name, s))
-    for name, s in summaries.items():
-        print(f"{name}: " + "; ".join(notes(fw, s[fw]) for fw in ("relaxgrad", "eager", "compile")))
+        results = rounds(name)
+        for precision in ARGS.precision:
+            summaries[(name, precision)] = summary(
+                {fw: results.get((precision, fw), []) for fw in FRAMEWORKS})
+    for precision in ARGS.precision:
+        print(f"\n{precision}:\n" + HEADER.format(batch=ARGS.batch))
+        for (name, p), s in summaries.items():
+            if p == precision:
+                print(row(name, s))
+    for (name, precision), s in summaries.items():
+        print(f"{name} {precision}: " + "; ".join(notes(fw, s[fw]) for fw in FRAMEWORKS))
+    both = [name for name in ARGS.models
+            if all("error" not in summaries[(name, p)]["relaxgrad"] for p in ("fp32", "bf16")
+                   if (name, p) in summaries) and len(ARGS.precision) == 2]
+    for name in both:
+        bf16, fp32 = (summaries[(name, p)]["relaxgrad"] for p in ("bf16", "fp32"))
+        print(f"{name}: relaxgrad bf16 / fp32: step {bf16['step'][0] / fp32['step'][0]:.2f}, "
+              f"peak RSS {bf16['peak_rss_mib']:.0f} / {fp32['peak_rss_mib']:.0f} MiB "
+              f"({bf16['peak_rss_mib'] / fp32['peak_rss_mib']:.2f}x)")
+
 
 if __name__ == "__main__":
     if ARGS.child:

@@ -17,12 +17,15 @@ them, float32 only:
   (TVM's ``topi.fast_erf``) on ``x`` clamped to [-4, 4]: BERT-base's GELUs took 0.5 s of a
   4.5 s step (one thread) with libm's ``erff`` per element.
 
-Other dtypes are left to LLVM. A rewritten value stored as bfloat16 is bound to a variable
-first (``Bind(v, value)``, then ``store(Cast(v))``): TVM legalizes that store into integer code that
-reads its value twice, and a copy of the polynomials' ``Let`` bindings made ``VectorizeLoop``
-fail ("Let cannot bind the same var to two different values"): a mixed-precision MLP's ``tanh``
-then cast.
+Other dtypes are left to LLVM.
 
+- A float32 value stored into a bfloat16 buffer, ``Cast("bfloat16", x)``, is stored as its
+  rounding's ``uint16`` bits (:func:`bf16_bits`) into a ``uint16`` view of the buffer, ``x``
+  bound first: TVM's bf16 legalization failed on a value the same in every vector lane (a
+  broadcast: "dtype mismatch on BufferStore ... uint16 ... bfloat16x32", a LoRA step of a
+  Qwen2 in bf16), and a copy of the polynomials' ``Let`` bindings made ``VectorizeLoop``
+  fail ("Let cannot bind the same var to two different values": a mixed-precision MLP's
+  ``tanh`` then cast).
 - ``Cast("float32", Cast("bfloat16", x))`` of a float32 ``x`` (a value rounded to bfloat16:
   mixed precision's gradients of a product's operands, read back in float32) into that rounding
   on ``x``'s bits (:func:`bf16_rounded`), with no bfloat16 value at all: TVM's legalization of
@@ -174,6 +177,38 @@ def bf16_rounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Let(value, x, tirx.Let(bits, tirx.reinterpret("uint32", value), body))
 
 
+def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The bfloat16 nearest a float32 ``x`` (ties to even), as its ``uint16`` bits: the high
+    half of :func:`bf16_rounded`'s; a NaN keeps its sign and top mantissa bits, made quiet."""
+
+    def const(v):
+        return tirx.const(v, "uint32")
+
+    bits = tirx.Var("bits", "uint32")
+    odd = tirx.bitwise_and(tirx.shift_right(bits, const(16)), const(1))
+    rounded = tirx.shift_right(bits + const(0x7FFF) + odd, const(16))
+    quiet = tirx.bitwise_or(tirx.shift_right(bits, const(16)), const(0x40))
+    nan = tirx.bitwise_and(bits, const(0x7FFFFFFF)) > const(0x7F800000)
+    high = tirx.Let(bits, tirx.reinterpret("uint32", x), tirx.Select(nan, quiet, rounded))
+    return tirx.Cast("uint16", high)
+
+
+def _stored_as_bits(store: tirx.BufferStore):
+    """A float32 value stored into a bfloat16 buffer, ``buf[i] = Cast(bfloat16, x)``, as
+    ``bits[i] = bf16_bits(x)`` into a ``uint16`` view of the buffer (see the module
+    docstring), ``x`` bound first."""
+    value = store.value
+    if (store.buffer.dtype != "bfloat16" or not isinstance(value, tirx.Cast)
+            or str(value.value.ty) != "float32"):
+        return store
+    buffer = store.buffer
+    view = tirx.decl_buffer(buffer.shape, "uint16", f"{buffer.name}_bits", data=buffer.data,
+                            strides=buffer.strides, elem_offset=buffer.elem_offset)
+    var = tirx.Var("v", "float32")
+    return tirx.SeqStmt([tirx.Bind(var, value.value), tirx.DeclBuffer(view, data=buffer.data),
+                         tirx.BufferStore(view, bf16_bits(var), store.indices)])
+
+
 def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
     """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`."""
     inner = cast.value
@@ -207,21 +242,12 @@ class FastMath:
                     return rule(call.args[0])
             return call
 
-        def bound_before_store(store: tirx.BufferStore):
-            value = store.value
-            if store.buffer.dtype != "bfloat16" or not isinstance(value, tirx.Cast):
-                return store
-            var = tirx.Var("v", str(value.value.ty))
-            cast = tirx.BufferStore(store.buffer, tirx.Cast("bfloat16", var), store.indices)
-            return tirx.SeqStmt([tirx.Bind(var, value.value), cast])
-
         updates = {}
         for gvar, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
                 body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite))
                 body = tvm_ffi.structural_map(body, (tirx.Cast, _round_trip))
-                if not body.same_as(func.body):
-                    body = tvm_ffi.structural_map(body, (tirx.BufferStore, bound_before_store))
+                body = tvm_ffi.structural_map(body, (tirx.BufferStore, _stored_as_bits))
                 if not body.same_as(func.body):
                     updates[gvar] = func.with_body(body)
         return with_functions(mod, updates)

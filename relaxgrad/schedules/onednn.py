@@ -54,7 +54,7 @@ from ._common import (
 )
 from .blas import THREADS, _untransposed, native_arch
 
-__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "faster_bf16",
+__all__ = ["Bf16MatmulToOneDNN", "available", "bf16_kernel", "cpu_model", "faster_bf16", "isa",
            "library_path", "link_options", "missing_units"]
 
 SYMBOL = "dnnl_gemm_bf16bf16f32"
@@ -120,6 +120,21 @@ def _loaded() -> bool:
     except OSError:
         return False
     return getattr(lib, SYMBOL, None) is not None
+
+
+_ISAS = {0x1: "sse41", 0x3: "avx", 0x7: "avx2", 0x407: "avx2_vnni", 0xC07: "avx2_vnni_2",
+         0x27: "avx512_core", 0x67: "avx512_core_vnni", 0xE7: "avx512_core_bf16",
+         0x1EF: "avx512_core_fp16", 0xFEF: "avx512_core_amx", 0x1FEF: "avx512_core_amx_fp16"}
+"""oneDNN's ``dnnl_cpu_isa_t`` values (oneDNN 3's ``dnnl_types.h``) by its names."""
+
+
+def isa() -> str | None:
+    """The instruction set oneDNN's kernels use on this CPU (``dnnl_get_effective_cpu_isa``, by
+    oneDNN's name: ``avx512_core_amx``, ``avx512_core_bf16``, ...), or None without oneDNN."""
+    if not _loaded():
+        return None
+    value = ctypes.CDLL(library_path()).dnnl_get_effective_cpu_isa()
+    return _ISAS.get(value, hex(value))
 
 
 def bf16_kernel() -> str:

@@ -138,3 +138,37 @@ def test_round_trips_through_bf16_are_rounded_on_bits(vectorize):
     np.testing.assert_array_equal(got[~nan].view("uint32"), want[~nan].view("uint32"))
     special = got[len(bits) : len(bits) + len(ties)]
     assert special[3] == np.inf  # float32's largest: past bfloat16's largest finite value
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_float32_values_stored_as_bf16_are_rounded_bits(broadcast):
+    """``Cast(bfloat16, x)`` stored into a bf16 buffer becomes the rounding's bits stored into
+    a uint16 view, vectorized: nearest, ties to even, overflow to infinity, NaN kept; also a
+    value the same in every lane (``broadcast``: a row's value along it), on which TVM's bf16
+    legalization failed."""
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, 4096, dtype="uint64").astype("uint32")
+    bits[:8] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
+                0x7F800001, 0xFFFFFFFF]
+    xs = bits.view("float32")
+    n, lanes = (len(xs), 16) if broadcast else (len(xs) // 16, 16)
+    x = te.placeholder((n,) if broadcast else (n, lanes), "float32")
+    y = te.compute((n, lanes), lambda i, j: (x[i] if broadcast else x[i, j]).astype("bfloat16"),
+                   name="y")
+    mod = FastMath()(tvm.IRModule({"main": te.create_prim_func([x, y])}))
+    sch = s_tir.Schedule(mod)
+    sch.vectorize(sch.get_loops(sch.get_sblock("y"))[1])
+    out = tvm.runtime.empty((int(n), lanes), "bfloat16")
+    given = xs if broadcast else xs.reshape(n, lanes)
+    tvm.compile(sch.mod, target="llvm")(tvm.runtime.tensor(given), out)
+    got = np.frombuffer(out.numpy().tobytes(), "uint16").reshape(n, lanes)
+    wide = bits.astype("uint64")
+    want = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype("uint16")
+    want = np.broadcast_to(want[:, None], (n, lanes)) if broadcast else want.reshape(n, lanes)
+    nan = np.isnan(xs if broadcast else xs.reshape(n, lanes))
+    nan = np.broadcast_to(nan[:, None], (n, lanes)) if broadcast else nan
+    assert ((got[nan] & 0x7FFF) > 0x7F80).all()  # NaN, of the same sign
+    sign = (bits >> 31).astype("uint16")
+    sign = np.broadcast_to(sign[:, None], (n, lanes)) if broadcast else sign.reshape(n, lanes)
+    np.testing.assert_array_equal(got[nan] >> 15, sign[nan])
+    np.testing.assert_array_equal(got[~nan], want[~nan])

@@ -69,6 +69,16 @@ def test_kernel_follows_the_cpus_bf16_units():
 
 
 @needs_onednn
+def test_isa_names_the_cpus_bf16_units():
+    """oneDNN's effective ISA, by its name, has bf16 arithmetic exactly where the CPU's flags
+    show AVX512_BF16 or AMX-BF16."""
+    name = onednn.isa()
+    flags = onednn.cpu_flags()
+    bf16 = name in ("avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx")
+    assert bf16 == bool(flags & {"avx512_bf16", "amx_bf16"}), (name, flags)
+
+
+@needs_onednn
 @pytest.mark.parametrize("case", list(CASES))
 def test_products_match_float64(case, kernel):
     """oneDNN's bf16 GEMM, or OpenBLAS's sgemm on the operands converted: the same products."""
