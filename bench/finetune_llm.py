@@ -18,7 +18,8 @@ transformers' ``"eager"`` implementation everywhere.
   :func:`relaxgrad.training.lora` with the same targets, the adapters initialized to PEFT's
   (copied from a PEFT model of the same seed), ``Trainer(precision=..., share_frozen=True)``
   (the frozen weights read in the PyTorch module's tensors, not copied); the PyTorch model is
-  dropped once the Trainer holds the weights.
+  dropped once the Trainer holds the weights. ``--frozen-dtype bf16``: in bf16, also
+  ``frozen_dtype="bf16"`` (the frozen projections held in bf16, cast once).
 
 Each (precision, framework) runs in a child process of its own, ``--runs`` rounds in rotated
 order (interleaved, so that load falls on all alike). *First step* is the time from the
@@ -72,6 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--frozen-dtype", choices=("bf16",), default=None,
+                        help="relaxgrad bf16 holds the frozen projections in bf16")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "PRECISION"),
                         help=argparse.SUPPRESS)
@@ -143,10 +146,21 @@ def relaxgrad_step(precision: str, base, tokens):
     model = lora(from_torch(module, (torch.from_numpy(x),)), TARGETS, r=R, alpha=ALPHA)
     for name in model.params:
         model.params[name] = initial[name.removeprefix("model.")].numpy().copy()
+    frozen_dtype = ARGS.frozen_dtype if precision == "bf16" else None
     trainer = Trainer.for_model(model, CrossEntropyLoss(), AdamW(LR), precision=precision,
-                                cache=False, progress=False, share_frozen=True)
+                                cache=False, progress=False, share_frozen=True,
+                                frozen_dtype=frozen_dtype)
     y = tokens[:, 1:].reshape(-1)
     return lambda: trainer.step(x, y)
+
+
+def _bf16_kernel() -> str:
+    """What relaxgrad's bf16 products run on this machine (oneDNN and its ISA, or sgemm)."""
+    from relaxgrad.schedules import onednn
+
+    if onednn.available() and onednn.bf16_kernel() == "onednn":
+        return f"oneDNN, ISA {onednn.isa()}"
+    return "OpenBLAS sgemm of the float32 conversions"
 
 
 def child(framework: str, precision: str) -> dict:
@@ -183,7 +197,8 @@ def child(framework: str, precision: str) -> dict:
 def run_child(framework: str, precision: str) -> dict:
     args = [sys.executable, __file__, "--child", framework, precision, "--model", ARGS.model,
             "--steps", str(ARGS.steps), "--threads", str(ARGS.threads), "--batch",
-            str(ARGS.batch), "--seq", str(ARGS.seq)] + (["--small"] if ARGS.small else [])
+            str(ARGS.batch), "--seq", str(ARGS.seq)] + (["--small"] if ARGS.small else []) \
+        + (["--frozen-dtype", ARGS.frozen_dtype] if ARGS.frozen_dtype else [])
     from _common import run_json_child
 
     return run_json_child(args, ARGS.timeout, "finetune-llm-")
@@ -197,7 +212,9 @@ def main() -> None:
     name = "small" if ARGS.small else ARGS.model
     print(f"{cpu_model()}; {name}, LoRA r={R} on {', '.join(TARGETS)}, batch {ARGS.batch} x "
           f"{ARGS.seq} tokens, {ARGS.threads} threads, torch {torch.__version__}, "
-          f"{ARGS.runs} round(s) x {ARGS.steps} steps after the first", flush=True)
+          f"{ARGS.runs} round(s) x {ARGS.steps} steps after the first; relaxgrad's bf16 products: "
+          f"{_bf16_kernel()}"
+          f"{'; frozen projections held in bf16' if ARGS.frozen_dtype else ''}", flush=True)
     results = {}
     for r in range(ARGS.runs):
         order = [(p, f) for p in ARGS.precision for f in ARGS.frameworks]

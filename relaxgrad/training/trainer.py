@@ -25,7 +25,7 @@ from ..ops import random
 from ..schedules import onednn
 from ..schedules.blas import native_arch
 from ..transforms import Gradient, policies
-from ..transforms.mixed_precision import MixedPrecision
+from ..transforms.mixed_precision import MixedPrecision, low_precision_params
 from ..transforms.plan_memory import RESULTS_IN_WORKSPACE
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
@@ -149,6 +149,14 @@ class Trainer:
         overflow is skipped (counted in ``skipped_steps``) and halves the scale, and 2,000
         finite steps in a row double it; the scale is saved in checkpoints. (A non-finite
         loss is not an overflow of the scale: ``on_nonfinite`` decides.)
+    frozen_dtype : {None, "bf16", "fp16"}
+        With ``precision`` of the same dtype: hold each frozen weight (a buffer no step
+        replaces, as a LoRA base's projections) that the model reads only through its
+        low-precision products in that dtype, cast once here rather than every step
+        (:func:`~relaxgrad.transforms.mixed_precision.low_precision_params`): half its memory,
+        the same steps. Such weights are then kept rounded, and :meth:`state_dict` and
+        :meth:`buffers` return them so (as float32 in ``state_dict``); ``frozen_low`` names
+        them. None (default): every weight as given.
     gradient_checkpointing : bool or checkpoint policy
         Keep fewer activations from the forward pass and recompute the others in the backward
         pass, as Hugging Face's ``gradient_checkpointing_enable()``: True is ``"sqrt"``
@@ -194,9 +202,13 @@ class Trainer:
         precision: str = "fp32",
         share_frozen: bool = False,
         gradient_checkpointing=False,
+        frozen_dtype: str | None = None,
     ):
         buffers = dict(buffers or {})
         model = _with_precision(model, precision, {func_name, eval_func or func_name})
+        model, self.frozen_low = _frozen_low(model, precision, frozen_dtype,
+                                             {func_name, eval_func or func_name},
+                                             [n for n in buffers if n not in updates])
         self.precision = precision
         self.loss_scale = INITIAL_LOSS_SCALE if precision == "fp16" else None
         self._finite_steps = 0  # steps since the loss scale last changed
@@ -243,7 +255,8 @@ class Trainer:
         ]
         self._buffers = {
             name: self._to_device(buffers[name], loss_func.params[i], "buffer",
-                                  share=share_frozen and name not in self.updates)
+                                  share=share_frozen and name not in self.updates
+                                  and name not in self.frozen_low)
             for i, name in zip(self._buffer_pos, self.buffer_names)
         }
         self.state_keys: tuple[str, ...] | None = None
@@ -313,7 +326,8 @@ class Trainer:
             loads the trained weights (a tied parameter under each of its names); otherwise
             numpy arrays, parameters first.
         """
-        values = {**self.params, **self.buffers}
+        buffers = {n: _wide(v) if n in self.frozen_low else v for n, v in self.buffers.items()}
+        values = {**self.params, **buffers}
         values.update({key: values[name] for key, name in self.aliases.items()})
         keys = self.state_keys or tuple(values)
         if not self.torch_state:
@@ -870,6 +884,24 @@ def _with_precision(model: IRModule, precision: str, func_names: set[str]) -> IR
     if precision == "fp32":
         return model
     return MixedPrecision(precision, sorted(func_names))(model)
+
+
+def _frozen_low(model: IRModule, precision: str, frozen_dtype, func_names: set[str],
+                frozen: list[str]) -> tuple[IRModule, tuple[str, ...]]:
+    """``model`` with the ``frozen`` weights that only its products read taken in
+    ``frozen_dtype`` (see the Trainer's ``frozen_dtype``), and their names."""
+    if frozen_dtype is None:
+        return model, ()
+    if frozen_dtype not in ("bf16", "fp16") or frozen_dtype != precision:
+        raise ValueError(f"Trainer: frozen_dtype={frozen_dtype!r} needs precision of the same "
+                         f"dtype ('bf16' or 'fp16'), not precision={precision!r}")
+    model, taken = low_precision_params(model, precision, sorted(func_names), frozen)
+    return model, tuple(taken)
+
+
+def _wide(value: np.ndarray) -> np.ndarray:
+    """A weight held in ``frozen_dtype`` (bfloat16 or float16) as float32."""
+    return value.astype("float32")
 
 
 def _warn_without_units(precision: str, target) -> None:

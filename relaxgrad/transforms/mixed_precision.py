@@ -31,7 +31,7 @@ from .._module import with_function
 from ..errors import GradientError
 from ..exprs import is_op
 
-__all__ = ["LOW_PRECISION_OPS", "MixedPrecision"]
+__all__ = ["LOW_PRECISION_OPS", "MixedPrecision", "low_precision_params"]
 
 _CONVOLUTIONS = ("conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose",
                  "conv3d_transpose")  # fmt: skip
@@ -119,3 +119,114 @@ class MixedPrecision:
             if cast.rewritten:
                 mod = with_function(cast.builder_.get(), name, func)
         return mod
+
+
+def low_precision_params(mod: IRModule, dtype: str, func_names, names) -> tuple[IRModule, list]:
+    """``mod`` with the parameters ``names`` of every function in ``func_names`` taken in
+    ``dtype`` (``"bf16"``, ``"bfloat16"``, ...) where each function reads them only through
+    ``astype(p, dtype)`` (as :class:`MixedPrecision` leaves a weight that only products read),
+    and those casts removed; and the names taken so. A value cast once in the caller then
+    gives the same results; a parameter read otherwise too (a norm's weight, an embedding
+    also gathered) stays as it was.
+
+    The :class:`~relaxgrad.training.Trainer` applies it to frozen weights for
+    ``frozen_dtype`` (held in half the memory, and not cast again each step)."""
+    dtype = _DTYPES.get(dtype, dtype)
+    funcs = [mod[name] for name in func_names]
+    taken = [name for name in names
+             if all(_only_cast(func, name, dtype) for func in funcs)]
+    if not taken:
+        return mod, []
+    for name in func_names:
+        mod = with_function(mod, name, _taken_low(mod[name], set(taken), dtype))
+    return mod, taken
+
+
+_LAYOUT_OPS = ("relax.permute_dims", "relax.reshape")  # read any dtype, move no value
+
+
+def _param(func: relax.Function, name: str) -> relax.Var | None:
+    return next((p for p in func.params if p.name == name), None)
+
+
+def _readers(func: relax.Function) -> tuple[dict, set]:
+    """Per var, the bindings that read it; and the vars read elsewhere (results, conditions)."""
+    readers: dict = {}
+    elsewhere: set = set()
+
+    @relax.expr_functor.visitor
+    class _Reads(relax.expr_functor.PyExprVisitor):
+        def visit_var_binding_(self, binding):
+            for var in relax.analysis.free_vars(binding.value):
+                readers.setdefault(var, []).append(binding)
+
+        def visit_seq_expr_(self, seq):
+            for block in seq.blocks:
+                self.visit_binding_block(block)
+            elsewhere.update(relax.analysis.free_vars(seq.body))
+
+    _Reads().visit_expr(func.body)
+    return readers, elsewhere
+
+
+def _cast_chain(func: relax.Function, param: relax.Var, dtype: str) -> set | None:
+    """The vars from ``param`` to its casts to ``dtype``, through layout ops (``param`` and
+    the layout ops' results), where ``param`` reaches nothing else (and some cast); else
+    None."""
+    readers, elsewhere = _readers(func)
+    chain, casts, todo = set(), 0, [param]
+    while todo:
+        var = todo.pop()
+        if var in elsewhere:
+            return None
+        chain.add(var)
+        for binding in readers.get(var, []):
+            value = binding.value
+            if _is_cast_of(value, var, dtype):
+                casts += 1
+            elif (any(is_op(value, name) for name in _LAYOUT_OPS)
+                  and value.args[0].same_as(var)
+                  and not any(var.same_as(a) for a in value.args[1:])):
+                todo.append(binding.var)
+            else:
+                return None
+    return chain if casts else None
+
+
+def _only_cast(func: relax.Function, name: str, dtype: str) -> bool:
+    """Whether ``func``'s parameter ``name`` is a float32 tensor read only through layout
+    ops and ``astype(., dtype)`` (at least once)."""
+    param = _param(func, name)
+    if param is None or _ty.dtype_of(param) != "float32":
+        return False
+    return _cast_chain(func, param, dtype) is not None
+
+
+def _is_cast_of(value, var, dtype: str) -> bool:
+    return (is_op(value, "relax.astype") and value.args[0].same_as(var)
+            and str(value.attrs.dtype) == dtype)
+
+
+def _taken_low(func: relax.Function, names: set, dtype: str) -> relax.Function:
+    """``func`` with the parameters ``names`` in ``dtype``, their layout ops taking that dtype
+    and their casts read as what they cast."""
+    new = {p: relax.Var(p.name, relax.TensorType(_ty.shape_values(p), dtype))
+           for p in func.params if p.name in names}
+    chain = set().union(*(_cast_chain(func, p, dtype) for p in new))
+
+    @mutator
+    class _Taken(PyExprMutator):
+        def visit_var_binding_(self, binding):
+            value = binding.value
+            if (is_op(value, "relax.astype") and value.args[0] in chain
+                    and str(value.attrs.dtype) == dtype):
+                self.set_var_remap(binding.var, self.visit_expr(value.args[0]))
+                return
+            super().visit_var_binding_(binding)
+
+    taken = _Taken()
+    for old, low in new.items():
+        taken.set_var_remap(old, low)
+    body = taken.visit_expr(func.body)
+    params = [new.get(p, p) for p in func.params]
+    return relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)

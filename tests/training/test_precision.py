@@ -195,3 +195,45 @@ def test_one_warning_on_a_cpu_without_low_precision_units(monkeypatch, precision
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         _trainer("fp32")
+
+
+def test_frozen_weights_held_in_bf16_give_the_same_steps(tmp_path):
+    """``frozen_dtype="bf16"``: the frozen weights that only products read (a LoRA base's
+    linear weights; not its biases or its LayerNorm's) are held in bfloat16, and the steps are
+    those of the float32-held weights cast each step, bit for bit (the products read the same
+    bf16 values), through a checkpoint too; ``state_dict`` returns them rounded, in float32."""
+    from relaxgrad.training import lora
+
+    x, y = _data()
+    runs = {}
+    for frozen_dtype in (None, "bf16"):
+        model = lora(from_torch(_net(), (torch.randn(BATCH, 32),)), ["0", "3"], r=4)
+        trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-2), precision="bf16",
+                                    frozen_dtype=frozen_dtype)
+        losses = [trainer.step(x[:BATCH], y[:BATCH]) for _ in range(3)]
+        trainer.save(tmp_path / f"{frozen_dtype}.state")
+        runs[frozen_dtype] = trainer, losses
+    (wide, wide_losses), (low, low_losses) = runs[None], runs["bf16"]
+    assert wide.frozen_low == ()
+    weights = {n for n in low.buffer_names if n.endswith("weight") and not n.startswith("2.")}
+    assert set(low.frozen_low) == weights and len(weights) == 2
+    assert all(low._buffers[n].dtype == "bfloat16" for n in weights)
+    assert low_losses == wide_losses
+    for name in low.param_names:
+        np.testing.assert_array_equal(low.params[name], wide.params[name])
+    state, original = low.state_dict(), wide.state_dict()
+    for name in weights:
+        value = torch.as_tensor(original[name])
+        assert state[name].dtype == torch.float32
+        assert torch.equal(state[name], value.to(torch.bfloat16).float())
+    resumed = Trainer.for_model(lora(from_torch(_net(), (torch.randn(BATCH, 32),)), ["0", "3"],
+                                     r=4),
+                                CrossEntropyLoss(), Adam(1e-2), precision="bf16",
+                                frozen_dtype="bf16")
+    resumed.load(tmp_path / "bf16.state")
+    assert resumed.step(x[:BATCH], y[:BATCH]) == wide.step(x[:BATCH], y[:BATCH])
+
+
+def test_frozen_dtype_needs_the_same_precision():
+    with pytest.raises(ValueError, match="frozen_dtype"):
+        _trainer("fp32", frozen_dtype="bf16")
