@@ -54,6 +54,8 @@ CASES = {
     "stacked": ((4, 24, 64), (64, 80), False, False),  # a batch of rows, one weight
     "batched": ((3, 40, 32), (3, 32, 48), False, False),  # attention's products
     "batched_trans": ((3, 40, 32), (3, 48, 32), False, True),
+    "wide": ((40, 64), (64, 200), False, False),  # wider than tall: tasks take columns
+    "wide_trans_b": ((64, 128), (520, 128), False, True),  # ... and large enough for threads
     "broadcast_a": ((40, 96), (3, 96, 48), False, False),  # a convolution: W @ im2col[n]
     "broadcast_a_trans": ((96, 40), (3, 96, 48), True, False),  # its data gradient: W^T @ g[n]
 }
