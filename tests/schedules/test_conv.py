@@ -32,9 +32,11 @@ CASES = [
 ]
 
 
-def _adjoint(x_shape, w_shape, conv_attrs) -> tvm.IRModule:
+def _adjoint(x_shape, w_shape, conv_attrs, precision=None) -> tvm.IRModule:
     """``main(x, w) = sum(conv2d(x, w) ** 2)`` and its adjoint (conv2d, conv2d_transpose and
-    the weight gradient's CNHW/IOHW conv2d)."""
+    the weight gradient's CNHW/IOHW conv2d); ``precision="bf16"``: the convolution in
+    bfloat16 (mixed precision: bf16 operands, a float32 result; the gradient's convolutions
+    read g in bf16)."""
     x = relax.Var("x", relax.TensorType(x_shape, "float32"))
     w = relax.Var("w", relax.TensorType(w_shape, "float32"))
     bb = relax.BlockBuilder()
@@ -43,7 +45,10 @@ def _adjoint(x_shape, w_shape, conv_attrs) -> tvm.IRModule:
             y = bb.emit(op.nn.conv2d(x, w, **conv_attrs))
             out = bb.emit_output(op.sum(op.multiply(y, y)))
         bb.emit_func_output(out)
-    return relaxgrad.Gradient("main")(bb.get())
+    mod = bb.get()
+    if precision is not None:
+        mod = relaxgrad.transforms.MixedPrecision(precision)(mod)
+    return relaxgrad.Gradient("main")(mod)
 
 
 def _run(executable, inputs):
@@ -189,21 +194,6 @@ def test_max_pool_gradient_matches_tvm_with_ties(x_shape, window, relu):
         np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
-def _bf16_adjoint(x_shape, w_shape, conv_attrs) -> tvm.IRModule:
-    """:func:`_adjoint` with the convolution in bfloat16 (mixed precision: bf16 operands, a
-    float32 result; the gradient's convolutions read g in bf16)."""
-    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
-    w = relax.Var("w", relax.TensorType(w_shape, "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            y = bb.emit(op.nn.conv2d(x, w, **conv_attrs))
-            out = bb.emit_output(op.sum(op.multiply(y, y)))
-        bb.emit_func_output(out)
-    mod = relaxgrad.transforms.MixedPrecision("bf16")(bb.get())
-    return relaxgrad.Gradient("main")(mod)
-
-
 @pytest.mark.parametrize("kernel", ["onednn", "float32"])
 @pytest.mark.parametrize("x_shape, w_shape, conv_attrs", [CASES[i] for i in (0, 1, 6, 8)])
 def test_bf16_conv_gradients_are_matmuls_with_tvms_values(x_shape, w_shape, conv_attrs, kernel,
@@ -213,7 +203,7 @@ def test_bf16_conv_gradients_are_matmuls_with_tvms_values(x_shape, w_shape, conv
     ``RELAXGRAD_BF16_GEMM`` picks), with the values of TVM's own bf16 convolutions to a bf16
     rounding of the gradients."""
     monkeypatch.setenv("RELAXGRAD_BF16_GEMM", kernel)
-    mod = _bf16_adjoint(x_shape, w_shape, conv_attrs)
+    mod = _adjoint(x_shape, w_shape, conv_attrs, precision="bf16")
     rewritten = ConvToMatmul()(mod)
     assert "relax.nn.conv2d" not in rewritten.script()
     assert 'out_dtype="float32"' in rewritten.script()
