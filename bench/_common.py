@@ -30,6 +30,16 @@ def cpu_model() -> str:
     return f"{onednn.cpu_model()} ({', '.join(bf16) if bf16 else 'no bf16 instructions'})"
 
 
+def bf16_products() -> str:
+    """What relaxgrad's bf16 products run on this machine: oneDNN (and the ISA it picked), or
+    OpenBLAS's sgemm of the float32 conversions."""
+    from relaxgrad.schedules import onednn
+
+    if onednn.available() and onednn.bf16_kernel() == "onednn":
+        return f"oneDNN, ISA {onednn.isa()}"
+    return "OpenBLAS sgemm of the float32 conversions"
+
+
 def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None,
                     autocast: torch.dtype | None = None):
     """One PyTorch training step of ``net`` on ``(x, target)`` as a function returning the loss:

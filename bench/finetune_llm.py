@@ -154,15 +154,6 @@ def relaxgrad_step(precision: str, base, tokens):
     return lambda: trainer.step(x, y)
 
 
-def _bf16_kernel() -> str:
-    """What relaxgrad's bf16 products run on this machine (oneDNN and its ISA, or sgemm)."""
-    from relaxgrad.schedules import onednn
-
-    if onednn.available() and onednn.bf16_kernel() == "onednn":
-        return f"oneDNN, ISA {onednn.isa()}"
-    return "OpenBLAS sgemm of the float32 conversions"
-
-
 def child(framework: str, precision: str) -> dict:
     import torch
     from _common import reset_peak_rss, rss_mib
@@ -206,14 +197,14 @@ def run_child(framework: str, precision: str) -> dict:
 
 def main() -> None:
     import torch
-    from _common import cpu_model
+    from _common import bf16_products, cpu_model
 
     tokens = ARGS.batch * ARGS.seq
     name = "small" if ARGS.small else ARGS.model
     print(f"{cpu_model()}; {name}, LoRA r={R} on {', '.join(TARGETS)}, batch {ARGS.batch} x "
           f"{ARGS.seq} tokens, {ARGS.threads} threads, torch {torch.__version__}, "
           f"{ARGS.runs} round(s) x {ARGS.steps} steps after the first; relaxgrad's bf16 products: "
-          f"{_bf16_kernel()}"
+          f"{bf16_products()}"
           f"{'; frozen projections held in bf16' if ARGS.frozen_dtype else ''}", flush=True)
     results = {}
     for r in range(ARGS.runs):

@@ -209,12 +209,12 @@ def kernels(framework: str) -> str:
     if framework == "relaxgrad":
         import ctypes
 
-        from relaxgrad.schedules import blas, onednn
+        from _common import bf16_products
+
+        from relaxgrad.schedules import blas
 
         if PRECISION == "bf16":
-            if onednn.available() and onednn.bf16_kernel() == "onednn":
-                return f"bf16 products in oneDNN, ISA {onednn.isa()}"
-            return "bf16 products as OpenBLAS sgemm of the float32 conversions"
+            return f"bf16 products in {bf16_products()}"
 
         if blas.SGEMM is None:
             return "TVM's own matmuls"
@@ -419,11 +419,10 @@ def main() -> None:
                 print(row(name, s))
     for (name, precision), s in summaries.items():
         print(f"{name} {precision}: " + "; ".join(notes(fw, s[fw]) for fw in FRAMEWORKS))
-    both = [name for name in ARGS.models
-            if all("error" not in summaries[(name, p)]["relaxgrad"] for p in ("fp32", "bf16")
-                   if (name, p) in summaries) and len(ARGS.precision) == 2]
-    for name in both:
+    for name in ARGS.models if set(ARGS.precision) == {"fp32", "bf16"} else ():
         bf16, fp32 = (summaries[(name, p)]["relaxgrad"] for p in ("bf16", "fp32"))
+        if "error" in bf16 or "error" in fp32:
+            continue
         print(f"{name}: relaxgrad bf16 / fp32: step {bf16['step'][0] / fp32['step'][0]:.2f}, "
               f"peak RSS {bf16['peak_rss_mib']:.0f} / {fp32['peak_rss_mib']:.0f} MiB "
               f"({bf16['peak_rss_mib'] / fp32['peak_rss_mib']:.2f}x)")

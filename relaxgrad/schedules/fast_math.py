@@ -160,37 +160,39 @@ def fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Let(var, x, erf(var))
 
 
-def bf16_rounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """A float32 ``x`` rounded to the nearest bfloat16 (ties to even), as float32: on its bits,
-    ``(bits + 0x7FFF + (bits >> 16 & 1)) & 0xFFFF0000`` (TVM's rounding of a cast), overflowing
-    to infinity past bfloat16's largest finite value; a NaN stays ``x``."""
+def _u32(v: int) -> tirx.PrimExpr:
+    return tirx.const(v, "uint32")
 
-    def const(v):
-        return tirx.const(v, "uint32")
 
+def _bf16_rounding(x: tirx.PrimExpr, body) -> tirx.PrimExpr:
+    """``body(bits, rounded, nan)`` for a float32 ``x``: its bits, ``bits + 0x7FFF + (bits >> 16
+    & 1)`` (TVM's round to nearest, ties to even, in the high half; past bfloat16's largest
+    finite value it carries into infinity), and whether ``x`` is a NaN (on the bits: ``x != x``
+    folds away)."""
     bits = tirx.Var("bits", "uint32")
-    odd = tirx.bitwise_and(tirx.shift_right(bits, const(16)), const(1))
-    rounded = tirx.bitwise_and(bits + const(0x7FFF) + odd, const(0xFFFF0000))
-    nan = tirx.bitwise_and(bits, const(0x7FFFFFFF)) > const(0x7F800000)  # (x != x folds away)
-    value = tirx.Var("x", "float32")
-    body = tirx.Select(nan, value, tirx.reinterpret("float32", rounded))
-    return tirx.Let(value, x, tirx.Let(bits, tirx.reinterpret("uint32", value), body))
+    odd = tirx.bitwise_and(tirx.shift_right(bits, _u32(16)), _u32(1))
+    nan = tirx.bitwise_and(bits, _u32(0x7FFFFFFF)) > _u32(0x7F800000)
+    return tirx.Let(bits, tirx.reinterpret("uint32", x), body(bits, bits + _u32(0x7FFF) + odd, nan))
+
+
+def bf16_rounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A float32 ``x`` rounded to the nearest bfloat16 (ties to even), as float32; a NaN stays
+    ``x``."""
+    def body(bits, rounded, nan):
+        wide = tirx.reinterpret("float32", tirx.bitwise_and(rounded, _u32(0xFFFF0000)))
+        return tirx.Select(nan, tirx.reinterpret("float32", bits), wide)
+
+    return _bf16_rounding(x, body)
 
 
 def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The bfloat16 nearest a float32 ``x`` (ties to even), as its ``uint16`` bits: the high
-    half of :func:`bf16_rounded`'s; a NaN keeps its sign and top mantissa bits, made quiet."""
+    """The bfloat16 nearest a float32 ``x`` (ties to even), as its ``uint16`` bits; a NaN keeps
+    its sign and top mantissa bits, made quiet."""
+    def body(bits, rounded, nan):
+        quiet = tirx.bitwise_or(tirx.shift_right(bits, _u32(16)), _u32(0x40))
+        return tirx.Select(nan, quiet, tirx.shift_right(rounded, _u32(16)))
 
-    def const(v):
-        return tirx.const(v, "uint32")
-
-    bits = tirx.Var("bits", "uint32")
-    odd = tirx.bitwise_and(tirx.shift_right(bits, const(16)), const(1))
-    rounded = tirx.shift_right(bits + const(0x7FFF) + odd, const(16))
-    quiet = tirx.bitwise_or(tirx.shift_right(bits, const(16)), const(0x40))
-    nan = tirx.bitwise_and(bits, const(0x7FFFFFFF)) > const(0x7F800000)
-    high = tirx.Let(bits, tirx.reinterpret("uint32", x), tirx.Select(nan, quiet, rounded))
-    return tirx.Cast("uint16", high)
+    return tirx.Cast("uint16", _bf16_rounding(x, body))
 
 
 def _stored_as_bits(store: tirx.BufferStore):

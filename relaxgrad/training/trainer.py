@@ -326,7 +326,8 @@ class Trainer:
             loads the trained weights (a tied parameter under each of its names); otherwise
             numpy arrays, parameters first.
         """
-        buffers = {n: _wide(v) if n in self.frozen_low else v for n, v in self.buffers.items()}
+        buffers = {n: v.astype("float32") if n in self.frozen_low else v  # held rounded
+                   for n, v in self.buffers.items()}
         values = {**self.params, **buffers}
         values.update({key: values[name] for key, name in self.aliases.items()})
         keys = self.state_keys or tuple(values)
@@ -892,16 +893,11 @@ def _frozen_low(model: IRModule, precision: str, frozen_dtype, func_names: set[s
     ``frozen_dtype`` (see the Trainer's ``frozen_dtype``), and their names."""
     if frozen_dtype is None:
         return model, ()
-    if frozen_dtype not in ("bf16", "fp16") or frozen_dtype != precision:
+    if frozen_dtype != precision or precision == "fp32":  # (precision is checked already)
         raise ValueError(f"Trainer: frozen_dtype={frozen_dtype!r} needs precision of the same "
                          f"dtype ('bf16' or 'fp16'), not precision={precision!r}")
     model, taken = low_precision_params(model, precision, sorted(func_names), frozen)
     return model, tuple(taken)
-
-
-def _wide(value: np.ndarray) -> np.ndarray:
-    """A weight held in ``frozen_dtype`` (bfloat16 or float16) as float32."""
-    return value.astype("float32")
 
 
 def _warn_without_units(precision: str, target) -> None:

@@ -124,29 +124,24 @@ class MixedPrecision:
 def low_precision_params(mod: IRModule, dtype: str, func_names, names) -> tuple[IRModule, list]:
     """``mod`` with the parameters ``names`` of every function in ``func_names`` taken in
     ``dtype`` (``"bf16"``, ``"bfloat16"``, ...) where each function reads them only through
-    ``astype(p, dtype)`` (as :class:`MixedPrecision` leaves a weight that only products read),
-    and those casts removed; and the names taken so. A value cast once in the caller then
-    gives the same results; a parameter read otherwise too (a norm's weight, an embedding
-    also gathered) stays as it was.
+    layout ops (transposes, reshapes) and ``astype(., dtype)`` (as :class:`MixedPrecision`
+    leaves a weight that only products read), and those casts removed; and the names taken so. A
+    value cast once in the caller then gives the same results; a parameter read otherwise too (a
+    norm's weight, an embedding also gathered) stays as it was.
 
     The :class:`~relaxgrad.training.Trainer` applies it to frozen weights for
     ``frozen_dtype`` (held in half the memory, and not cast again each step)."""
     dtype = _DTYPES.get(dtype, dtype)
-    funcs = [mod[name] for name in func_names]
-    taken = [name for name in names
-             if all(_only_cast(func, name, dtype) for func in funcs)]
-    if not taken:
-        return mod, []
-    for name in func_names:
-        mod = with_function(mod, name, _taken_low(mod[name], set(taken), dtype))
+    chains = {name: _cast_chains(mod[name], names, dtype) for name in func_names}
+    taken = [name for name in names if all(name in chain for chain in chains.values())]
+    for func_name, chain in chains.items() if taken else ():
+        reached = set().union(*(chain[name] for name in taken))
+        low = _taken_low(mod[func_name], set(taken), reached, dtype)
+        mod = with_function(mod, func_name, low)
     return mod, taken
 
 
 _LAYOUT_OPS = ("relax.permute_dims", "relax.reshape")  # read any dtype, move no value
-
-
-def _param(func: relax.Function, name: str) -> relax.Var | None:
-    return next((p for p in func.params if p.name == name), None)
 
 
 def _readers(func: relax.Function) -> tuple[dict, set]:
@@ -169,11 +164,24 @@ def _readers(func: relax.Function) -> tuple[dict, set]:
     return readers, elsewhere
 
 
-def _cast_chain(func: relax.Function, param: relax.Var, dtype: str) -> set | None:
-    """The vars from ``param`` to its casts to ``dtype``, through layout ops (``param`` and
-    the layout ops' results), where ``param`` reaches nothing else (and some cast); else
-    None."""
+def _cast_chains(func: relax.Function, names, dtype: str) -> dict[str, set]:
+    """Per float32 parameter of ``names`` that ``func`` reads only through layout ops and
+    casts to ``dtype`` (at least one): the vars from it to those casts (the parameter and the
+    layout ops' results)."""
     readers, elsewhere = _readers(func)
+    chains = {}
+    for param in func.params:
+        if param.name not in names or _ty.dtype_of(param) != "float32":
+            continue
+        chain = _cast_chain(param, readers, elsewhere, dtype)
+        if chain is not None:
+            chains[param.name] = chain
+    return chains
+
+
+def _cast_chain(param: relax.Var, readers: dict, elsewhere: set, dtype: str) -> set | None:
+    """The vars from ``param`` to its casts to ``dtype`` through layout ops, where it reaches
+    nothing else and some cast (see :func:`_readers`); else None."""
     chain, casts, todo = set(), 0, [param]
     while todo:
         var = todo.pop()
@@ -193,33 +201,23 @@ def _cast_chain(func: relax.Function, param: relax.Var, dtype: str) -> set | Non
     return chain if casts else None
 
 
-def _only_cast(func: relax.Function, name: str, dtype: str) -> bool:
-    """Whether ``func``'s parameter ``name`` is a float32 tensor read only through layout
-    ops and ``astype(., dtype)`` (at least once)."""
-    param = _param(func, name)
-    if param is None or _ty.dtype_of(param) != "float32":
-        return False
-    return _cast_chain(func, param, dtype) is not None
-
-
 def _is_cast_of(value, var, dtype: str) -> bool:
     return (is_op(value, "relax.astype") and value.args[0].same_as(var)
             and str(value.attrs.dtype) == dtype)
 
 
-def _taken_low(func: relax.Function, names: set, dtype: str) -> relax.Function:
-    """``func`` with the parameters ``names`` in ``dtype``, their layout ops taking that dtype
-    and their casts read as what they cast."""
+def _taken_low(func: relax.Function, names: set, chain: set, dtype: str) -> relax.Function:
+    """``func`` with the parameters ``names`` in ``dtype``, their layout ops (``chain``: the
+    vars from them to their casts) taking that dtype and their casts read as what they cast."""
     new = {p: relax.Var(p.name, relax.TensorType(_ty.shape_values(p), dtype))
            for p in func.params if p.name in names}
-    chain = set().union(*(_cast_chain(func, p, dtype) for p in new))
 
     @mutator
     class _Taken(PyExprMutator):
         def visit_var_binding_(self, binding):
             value = binding.value
-            if (is_op(value, "relax.astype") and value.args[0] in chain
-                    and str(value.attrs.dtype) == dtype):
+            if is_op(value, "relax.astype") and _is_cast_of(value, value.args[0], dtype) \
+                    and value.args[0] in chain:
                 self.set_var_remap(binding.var, self.visit_expr(value.args[0]))
                 return
             super().visit_var_binding_(binding)
