@@ -73,6 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--packed", action="store_true",
+                        help="each row packs 4 sequences (1/2, 1/4, 1/8, 1/8 of --seq)")
     parser.add_argument("--frozen-dtype", choices=("bf16",), default=None,
                         help="relaxgrad bf16 holds the frozen projections in bf16")
     parser.add_argument("--timeout", type=float, default=3600)
@@ -86,7 +88,8 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 
 
 def build():
-    """``(transformers model, token batch (batch, seq + 1))``, seed 0."""
+    """``(transformers model, token batch (batch, seq + 1))``, seed 0; with ``--packed`` the
+    batch is a :class:`relaxgrad.training.Packed` of four sequences a row."""
     import numpy as np
     import torch
     import transformers as hf
@@ -98,7 +101,40 @@ def build():
     model = getattr(hf, f"{family}ForCausalLM")(config)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (ARGS.batch, ARGS.seq + 1))
+    if ARGS.packed:
+        from relaxgrad.training import pack
+
+        lengths = [ARGS.seq // 2, ARGS.seq // 4, ARGS.seq // 8]
+        lengths.append(ARGS.seq - sum(lengths))
+        sequences = [rng.integers(0, config.vocab_size, n) for _ in range(ARGS.batch)
+                     for n in lengths]
+        return model, pack(sequences, ARGS.seq, rows=ARGS.batch)
     return model, tokens
+
+
+def inputs_targets(tokens):
+    """The model's inputs (numpy arrays) and the flat targets of a batch from :func:`build`."""
+    if ARGS.packed:
+        return tokens.inputs, tokens.labels
+    return (tokens[:, :-1],), tokens[:, 1:].reshape(-1)
+
+
+def packed_logits(model):
+    """``model`` as a module of ``(input_ids, attention_mask, position_ids)`` returning flat
+    logits (a packed row: the 4-D block-diagonal causal mask and restarting positions)."""
+    import torch
+
+    class Module(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            logits = self.model(input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids).logits
+            return logits.reshape(-1, logits.shape[-1])
+
+    return Module()
 
 
 def peft_model(base):
@@ -117,13 +153,16 @@ def torch_step(framework: str, precision: str, base, tokens):
     net = torch.compile(model) if framework == "compile" else model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
-    x, y = torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:].reshape(-1))
+    xs, y = inputs_targets(tokens)
+    xs, y = [torch.from_numpy(a) for a in xs], torch.from_numpy(y)
+    names = ("input_ids", "attention_mask", "position_ids")
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = net(x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y)
+            logits = net(**dict(zip(names, xs, strict=False))).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y,
+                                                 ignore_index=-100)
         loss.backward()
         optimizer.step()
         return float(loss)
@@ -141,17 +180,18 @@ def relaxgrad_step(precision: str, base, tokens):
     initial = {name.removeprefix("base_model.model.").replace(".default", ""): p.detach()
                for name, p in wrapped.named_parameters() if "lora_" in name}
     base = wrapped.unload()
-    x = tokens[:, :-1]
-    module = Logits(base, "input_ids", flat=True)
-    model = lora(from_torch(module, (torch.from_numpy(x),)), TARGETS, r=R, alpha=ALPHA)
+    xs, y = inputs_targets(tokens)
+    module = packed_logits(base) if ARGS.packed else Logits(base, "input_ids", flat=True)
+    model = lora(from_torch(module, tuple(torch.from_numpy(a) for a in xs)), TARGETS, r=R,
+                 alpha=ALPHA)
     for name in model.params:
         model.params[name] = initial[name.removeprefix("model.")].numpy().copy()
     frozen_dtype = ARGS.frozen_dtype if precision == "bf16" else None
-    trainer = Trainer.for_model(model, CrossEntropyLoss(), AdamW(LR), precision=precision,
-                                cache=False, progress=False, share_frozen=True,
-                                frozen_dtype=frozen_dtype)
-    y = tokens[:, 1:].reshape(-1)
-    return lambda: trainer.step(x, y)
+    trainer = Trainer.for_model(model, CrossEntropyLoss(ignore_index=-100), AdamW(LR),
+                                precision=precision, cache=False, progress=False,
+                                share_frozen=True, frozen_dtype=frozen_dtype)
+    inputs = xs if ARGS.packed else xs[0]
+    return lambda: trainer.step(inputs, y)
 
 
 def child(framework: str, precision: str) -> dict:
@@ -189,6 +229,7 @@ def run_child(framework: str, precision: str) -> dict:
     args = [sys.executable, __file__, "--child", framework, precision, "--model", ARGS.model,
             "--steps", str(ARGS.steps), "--threads", str(ARGS.threads), "--batch",
             str(ARGS.batch), "--seq", str(ARGS.seq)] + (["--small"] if ARGS.small else []) \
+        + (["--packed"] if ARGS.packed else []) \
         + (["--frozen-dtype", ARGS.frozen_dtype] if ARGS.frozen_dtype else [])
     from _common import run_json_child
 
@@ -201,8 +242,9 @@ def main() -> None:
 
     tokens = ARGS.batch * ARGS.seq
     name = "small" if ARGS.small else ARGS.model
+    packed = ", each row 4 sequences packed" if ARGS.packed else ""
     print(f"{cpu_model()}; {name}, LoRA r={R} on {', '.join(TARGETS)}, batch {ARGS.batch} x "
-          f"{ARGS.seq} tokens, {ARGS.threads} threads, torch {torch.__version__}, "
+          f"{ARGS.seq} tokens{packed}, {ARGS.threads} threads, torch {torch.__version__}, "
           f"{ARGS.runs} round(s) x {ARGS.steps} steps after the first; relaxgrad's bf16 products: "
           f"{bf16_products()}"
           f"{'; frozen projections held in bf16' if ARGS.frozen_dtype else ''}", flush=True)
