@@ -151,8 +151,17 @@ def _shared_rows(blocks: list[s_tir.SBlock]) -> list[int] | None:
         regions = [*block.writes, *(r for r in block.reads if _any_same(r.source, written))]
         depth = min(depth, _leading(_equal_extents(a, b) for a, b in zip(first, iters)))
         for region in regions:
-            depth = min(depth, _leading(r.min.same_as(i.var) for r, i in zip(region.region, iters)))
+            axes = _indexed_axes(region)
+            depth = min(depth, _leading(r.min.same_as(i.var) for r, i in zip(axes, iters)))
     return [int(i.dom.extent) for i in first[:depth]] if depth else None
+
+
+def _indexed_axes(region) -> list:
+    """A buffer region's axes but those of a buffer dimension of 1 at index 0, which no
+    iterator indexes once TVM has dropped the unit iterators (a batch of one, as a language
+    model's fine-tuning step's ``(1, heads, seq, seq)`` softmax)."""
+    return [r for r, n in zip(region.region, region.source.shape)
+            if not (is_one(n) and isinstance(r.min, tirx.IntImm) and int(r.min) == 0)]
 
 
 def _leading(flags) -> int:

@@ -179,3 +179,32 @@ def test_rows_the_vector_does_not_divide(length):
     want = _torch_grads(lambda x, w: (torch.log_softmax(x, -1) * w).sum(), arrays)
     for got, expected in zip(grads, want):
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_of_one_is_row_local_and_matches_pytorch():
+    """A (1, heads, seq, seq) causal softmax (a language model's fine-tuning step at batch 1):
+    TVM drops the unit axis's iterator but indexes its buffers at 0 there, which RowLocal
+    reads as the same rows. Half the scores are the most negative float32 (the mask), whose
+    exponentials are 0; softmax and its gradient are PyTorch's."""
+    shape = (1, 4, 32, 32)
+    mask = np.triu(np.full(shape[-2:], np.finfo(np.float32).min, np.float32), 1)
+    params = [("x", shape, "float32"), ("m", shape[-2:], "float32"), ("w", shape, "float32")]
+
+    def body(x, m, w):
+        return op.sum(op.multiply(op.nn.softmax(op.add(x, m), axis=-1), w))
+
+    mod = _legalized(_module(params, body))
+    (name,) = [gvar.name_hint for gvar in mod.get_global_vars() if "softmax" in gvar.name_hint]
+    assert RowLocal().apply(mod[name], host_target(), False) is not None
+    relaxgrad_mod = relaxgrad.Gradient("main")(_module(params, body))
+    rng = np.random.default_rng(0)
+    x, w = (rng.standard_normal(shape).astype("float32") for _ in range(2))
+    vm = relax.VirtualMachine(relaxgrad.compile(relaxgrad_mod), tvm.cpu())
+    loss, (dx, dm, dw) = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in (x, mask, w)])
+    tensors = [torch.tensor(a, requires_grad=True) for a in (x, mask, w)]
+    expected = (torch.softmax(tensors[0] + tensors[1], -1) * tensors[2]).sum()
+    expected.backward()
+    assert float(loss.numpy()) == pytest.approx(expected.item(), rel=1e-5)
+    for got, t in zip((dx, dm, dw), tensors):
+        want = t.grad.numpy()
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
