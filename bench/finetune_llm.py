@@ -190,8 +190,7 @@ def relaxgrad_step(precision: str, base, tokens):
     trainer = Trainer.for_model(model, CrossEntropyLoss(ignore_index=-100), AdamW(LR),
                                 precision=precision, cache=False, progress=False,
                                 share_frozen=True, frozen_dtype=frozen_dtype)
-    inputs = xs if ARGS.packed else xs[0]
-    return lambda: trainer.step(inputs, y)
+    return lambda: trainer.step(xs, y)
 
 
 def child(framework: str, precision: str) -> dict:
