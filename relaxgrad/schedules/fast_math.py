@@ -26,6 +26,13 @@ Other dtypes are left to LLVM.
   Qwen2 in bf16), and a copy of the polynomials' ``Let`` bindings made ``VectorizeLoop``
   fail ("Let cannot bind the same var to two different values": a mixed-precision MLP's
   ``tanh`` then cast).
+- ``Cast("float32", load)`` of an element of a bfloat16 parameter buffer (a value mixed
+  precision holds in bf16) into the element's bits read from a ``uint16`` view of the buffer
+  and shifted into a float32's high half (:func:`_widened`): TVM's bf16 legalization passes over
+  the values of ``Let`` expressions and ``Bind`` statements, where the polynomials (and the
+  stores above) bind their operand, and there it read the element's bits as an integer
+  (``exp``: ``inf``). A bfloat16 buffer the function allocates itself is read so in a ``Let``'s
+  value inlined instead (:func:`_inlined_over_bf16`), and its stores are left to TVM.
 - ``Cast("float32", Cast("bfloat16", x))`` of a float32 ``x`` (a value rounded to bfloat16:
   mixed precision's gradients of a product's operands, read back in float32) into that rounding
   on ``x``'s bits (:func:`bf16_rounded`), with no bfloat16 value at all: TVM's legalization of
@@ -39,6 +46,8 @@ Other dtypes are left to LLVM.
 """
 
 from __future__ import annotations
+
+import functools
 
 import tvm
 import tvm_ffi
@@ -205,14 +214,63 @@ def _stored_as_bits(store: tirx.BufferStore):
     docstring), ``x`` bound first."""
     value = store.value
     if (store.buffer.dtype != "bfloat16" or not isinstance(value, tirx.Cast)
-            or str(value.value.ty) != "float32"):
-        return store
+            or str(value.value.ty) != "float32" or _reads_bf16(value.value)):
+        return store  # (bound, a bfloat16 load would go unlegalized: see _widened)
     buffer = store.buffer
     view = tirx.decl_buffer(buffer.shape, "uint16", f"{buffer.name}_bits", data=buffer.data,
                             strides=buffer.strides, elem_offset=buffer.elem_offset)
     var = tirx.Var("v", "float32")
     return tirx.SeqStmt([tirx.Bind(var, value.value), tirx.DeclBuffer(view, data=buffer.data),
                          tirx.BufferStore(view, bf16_bits(var), store.indices)])
+
+
+def _widened(store: tirx.BufferStore, params=()):
+    """``store`` with each ``Cast(float32, load)`` of a bfloat16 element in its value as the
+    element's bits, read from a ``uint16`` view of the buffer (declared before the store),
+    shifted into a float32's high half (what a bfloat16 is): TVM's legalization of the
+    bfloat16 load gave wrong values (``exp``'s: ``inf``) once the float32 was bound in a
+    :func:`fast_exp`'s ``Let``."""
+    views: dict = {}
+
+    def widen(cast: tirx.Cast) -> tirx.PrimExpr:
+        load = cast.value
+        if (str(cast.ty) != "float32" or not isinstance(load, tvm.ir.expr.TensorLoad)
+                or str(load.ty) != "bfloat16"):
+            return cast
+        buffer = load.source
+        if not any(buffer.same_as(p) for p in params):
+            return cast  # (a buffer the function allocates: legalized with its allocation)
+        if buffer.name not in views:
+            views[buffer.name] = (tirx.decl_buffer(
+                buffer.shape, "uint16", f"{buffer.name}_bits", data=buffer.data,
+                strides=buffer.strides, elem_offset=buffer.elem_offset), buffer.data)
+        view = views[buffer.name][0]
+        bits = tirx.Cast("uint32", tirx.BufferLoad(view, load.indices))
+        return tirx.reinterpret("float32", tirx.shift_left(bits, _u32(16)))
+
+    value = tvm_ffi.structural_map(store.value, (tirx.Cast, widen))
+    if not views:
+        return store
+    return tirx.SeqStmt([*(tirx.DeclBuffer(v, data=data) for v, data in views.values()),
+                         tirx.BufferStore(store.buffer, value, store.indices)])
+
+
+def _reads_bf16(expr) -> bool:
+    loads = []
+    tvm_ffi.structural_walk(expr, [(tvm.ir.TensorLoad, loads.append)])
+    return any(str(load.ty) == "bfloat16" for load in loads)
+
+
+def _inlined_over_bf16(let: tirx.Let) -> tirx.PrimExpr:
+    """A ``Let`` whose value reads a bfloat16 buffer, inlined: TVM's bf16 legalization passes
+    over ``Let`` values, leaving their ``Cast(float32, load)`` a conversion of the element's
+    ``uint16`` bits (``exp`` of a bfloat16 input: ``inf``). The polynomials then read their
+    operands more than once, which LLVM computes once."""
+    if not _reads_bf16(let.value):
+        return let
+    var, value = let.var, let.value
+    body = tvm_ffi.structural_map(let.body, (type(var), lambda v: value if v.same_as(var) else v))
+    return tvm_ffi.structural_map(body, (tirx.Let, _inlined_over_bf16))  # the Lets inside
 
 
 def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
@@ -251,7 +309,10 @@ class FastMath:
         updates = {}
         for gvar, func in mod.functions_items():
             if isinstance(func, tirx.PrimFunc):
-                body = tvm_ffi.structural_map(func.body, (tvm.ir.Call, rewrite))
+                widened = functools.partial(_widened, params=list(func.params))
+                body = tvm_ffi.structural_map(func.body, (tirx.BufferStore, widened))
+                body = tvm_ffi.structural_map(body, (tvm.ir.Call, rewrite))
+                body = tvm_ffi.structural_map(body, (tirx.Let, _inlined_over_bf16))
                 body = tvm_ffi.structural_map(body, (tirx.Cast, _round_trip))
                 body = tvm_ffi.structural_map(body, (tirx.BufferStore, _stored_as_bits))
                 if not body.same_as(func.body):

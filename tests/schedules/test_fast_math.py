@@ -15,6 +15,8 @@ from tvm.relax import op
 import relaxgrad
 from relaxgrad.schedules import FastMath
 
+torch = pytest.importorskip("torch")
+
 FUNCS = {  # name: (TE op, float64 reference, max ulp, range checked)
     "exp": (te.exp, np.exp, 2, (-87.3, 88.7)),
     "tanh": (te.tanh, np.tanh, 3, (-12.0, 12.0)),
@@ -172,3 +174,28 @@ def test_float32_values_stored_as_bf16_are_rounded_bits(broadcast):
     sign = np.broadcast_to(sign[:, None], (n, lanes)) if broadcast else sign.reshape(n, lanes)
     np.testing.assert_array_equal(got[nan] >> 15, sign[nan])
     np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("name", ["exp", "tanh", "sigmoid", "erf"])
+def test_functions_of_bf16_inputs_read_their_bits(name):
+    """``f(astype(x, float32))`` of a bfloat16 ``x`` (a value mixed precision holds in bf16):
+    TVM's bf16 legalization skips the values of ``Let`` bindings, where the polynomials bind
+    their operand, and read the element's ``uint16`` bits as a number (``exp``: ``inf``); the
+    element is widened on its bits first. Compiled, against PyTorch on the same bf16 values,
+    and with an output rounded to bf16 too."""
+    import ml_dtypes
+
+    x = relax.Var("x", relax.TensorType((16, 64), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(getattr(relax.op, name)(relax.op.astype(x, "float32")))
+            out = bb.emit_output(relax.Tuple([y, bb.emit(relax.op.astype(y, "bfloat16"))]))
+        bb.emit_func_output(out)
+    xs = np.random.default_rng(0).standard_normal((16, 64)).astype("float32") * 3
+    vm = relax.VirtualMachine(relaxgrad.compile(bb.get(), "llvm", cache=False), tvm.cpu())
+    wide, low = vm["main"](tvm.runtime.tensor(xs.astype(ml_dtypes.bfloat16)))
+    want = getattr(torch, name)(torch.tensor(xs).bfloat16().float())
+    np.testing.assert_allclose(wide.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(low.numpy().astype("float32"), want.bfloat16().float().numpy(),
+                               rtol=1e-2, atol=1e-6)
