@@ -21,6 +21,9 @@ round's rewrite makes (copying a chain one link per round, 4 rounds left one of 
 intermediates written: its adjoint, interleaved A/B over 6 rounds, median 3980 -> 3908 ms
 with the chains copied at once). A producer of no full-size operand (a broadcast mask, as the
 cross-entropy's gradient, :class:`~relaxgrad.schedules.NllLossGradAsMask`) is copied too. A
+producer of narrower floats than its full-size operand (a float32 value rounded to bfloat16, which
+mixed precision holds so for the backward pass) is a root: copies of what is computed from it
+read it, so the float32 value it was rounded from dies. A
 copy computes at most ``_MAX_COST`` ops, its producers' copies included: a chain whose steps
 read the step before twice (``a = a * a + a``) would otherwise double its work per step.
 
@@ -47,6 +50,7 @@ from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .. import _ty
 from ._common import ELEMWISE, INJECTIVE, static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -123,6 +127,18 @@ def _late_readers(readers: list, root_alive_until: float) -> set:
     return {h for _, h in readers[cut:]} if gap >= _LATE_GAP else set()
 
 
+def _narrows(var, full: list) -> bool:
+    """Whether ``var`` holds 16-bit floats computed from wider full-size operands (a float32
+    value rounded to bfloat16 to be held in half the memory; not a normalization's statistics
+    computed in float32 from float64, say)."""
+    dtype = _ty.dtype_of(var)
+    if not _ty.is_float_dtype(dtype) or tvm.DataType(dtype).bits > 16:
+        return False
+    bits = tvm.DataType(dtype).bits
+    return any(_ty.is_float_tensor(a) and tvm.DataType(_ty.dtype_of(a)).bits > bits
+               for a in full)  # fmt: skip
+
+
 def _size(expr) -> int | None:
     shape = static_shape(expr)
     return None if shape is None else math.prod(shape)
@@ -184,6 +200,9 @@ class _Rewriter(PyExprMutator):
             sizes = [self._size(a) for a in args]
             if size is None or None in sizes or any(s > size for s in sizes):
                 continue
+            if _narrows(var, [a for a, s in zip(args, sizes) if s == size]):
+                roots[hash(var)], costs[hash(var)] = {hash(var)}, 0
+                continue  # a copy of it would keep the wider var alive: it is a root
             found = set()
             for arg, arg_size in zip(args, sizes):
                 if arg_size == size:
@@ -218,7 +237,8 @@ class _Rewriter(PyExprMutator):
         if hash(var) in self.chains:
             return
         value = values[hash(var)]
-        inner = [a for a in dict.fromkeys(_operands(value)) if hash(a) in roots]
+        inner = [a for a in dict.fromkeys(_operands(value))
+                 if roots.get(hash(a), {hash(a)}) != {hash(a)}]  # (not a root: narrowed)
         self.chains[hash(var)] = (value, inner)
         for arg in inner:
             self._chain(arg, values, roots)

@@ -280,3 +280,29 @@ def test_late_copies_shrink_the_adjoints_workspace_and_keep_its_bits(monkeypatch
     np.testing.assert_allclose(loss.numpy(), want.item(), rtol=1e-12)
     for got, t in zip(grads, [x, *params]):
         np.testing.assert_allclose(got.numpy(), t.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_value_rounded_to_bf16_is_a_root_its_copies_read():
+    """Mixed precision holds a value in bfloat16 and reads it back widened: the copies of the
+    widening read the bfloat16 value (held, half the memory), not the float32 chain it was
+    rounded from, which would keep that alive (and round again); values unchanged."""
+    import ml_dtypes
+
+    def body(bb, x, bias, g):
+        t = bb.emit(op.add(x, bias))
+        wide = bb.emit(op.astype(bb.emit(op.astype(t, "bfloat16")), "float32"))
+        zero = relax.const(0.0, "float32")
+        return relax.Tuple([bb.emit(op.nn.relu(wide)),
+                            bb.emit(op.where(op.less(wide, zero), zero, g))])
+
+    shapes = [(64, 96), (96,), (64, 96)]
+    mod = _module(shapes, body)
+    assert _kernels(mod, True) == ["fused_add_cast", "fused_cast1_less_where",
+                                   "fused_cast1_relu"]  # fmt: skip
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm", cache=False), tvm.cpu())
+    relu, grad = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    t = (xs[0] + xs[1]).astype(ml_dtypes.bfloat16).astype("float32")
+    np.testing.assert_array_equal(relu, np.maximum(t, 0))
+    np.testing.assert_array_equal(grad, np.where(t < 0, 0, xs[2]))
