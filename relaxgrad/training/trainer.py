@@ -25,7 +25,7 @@ from ..ops import random
 from ..schedules import onednn
 from ..schedules.blas import native_arch
 from ..transforms import Gradient, policies
-from ..transforms.mixed_precision import MixedPrecision, low_precision_params
+from ..transforms.mixed_precision import MixedPrecision, low_precision_params, read_held_values
 from ..transforms.plan_memory import RESULTS_IN_WORKSPACE
 from .accumulate import accumulate_gradients, check_accumulate
 from .datasets import minibatches
@@ -851,7 +851,8 @@ def training_module(
     trainable = [p for name, p in zip(names, loss_func.params) if name in param_names]
     mod = Gradient(loss_name, trainable, target_index=0, seed=seed, checkpoint=checkpoint)(mod)
     adjoint = f"{loss_name}_adjoint"
-    mod = with_function(mod, adjoint, mod[adjoint].with_attr(RESULTS_IN_WORKSPACE, [1]))
+    mod = with_function(mod, adjoint, read_held_values(mod[adjoint])
+                        .with_attr(RESULTS_IN_WORKSPACE, [1]))  # fmt: skip
     optimizer.init(trainable)
     if f"{func_name}_optimizer" in _names(mod):
         raise ValueError(

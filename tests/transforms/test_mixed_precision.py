@@ -13,6 +13,7 @@ from tvm.relax import op
 import relaxgrad
 from relaxgrad.analysis import count_bindings
 from relaxgrad.transforms import MixedPrecision
+from relaxgrad.transforms.mixed_precision import read_held_values
 
 torch = pytest.importorskip("torch")
 
@@ -152,3 +153,97 @@ def test_builds_for_cuda(dtype):
     mixed = relaxgrad.Gradient("main")(MixedPrecision(dtype)(mod))
     ex = relaxgrad.compile(mixed, {"kind": "cuda", "arch": "sm_90"}, cache=False)
     assert ex is not None
+
+
+def _forward(mod, arrays, func="main"):
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm", cache=False), tvm.cpu())
+    return vm[func](*(tvm.runtime.tensor(a) for a in arrays)).numpy()
+
+
+def _layer():
+    """``main(x, w1, b1, w2) = tanh(x @ w1 + b1) @ w2``: a linear layer, its activation and
+    a product, all of which autocast computes in bfloat16."""
+    mod, arrays = _mlp()
+    x, w1, b1, w2 = mod["main"].params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w1, b1, w2]):
+        with bb.dataflow():
+            h = bb.emit(op.tanh(op.add(op.matmul(x, w1), b1)))
+            y = bb.emit_output(op.matmul(h, w2))
+        bb.emit_func_output(y)
+    return bb.get(), arrays
+
+
+def test_results_are_held_in_bf16_as_autocasts():
+    """A product's result (its bias added), and what elementwise ops compute from it, are held
+    in bfloat16 (half the memory a step keeps for its backward pass) and read back in float32:
+    the values of autocast's bfloat16 tensors. ``hold_low=False`` keeps them float32."""
+    mod, arrays = _layer()
+    held = _forward(MixedPrecision("bf16")(mod), arrays)
+    kept = _forward(MixedPrecision("bf16", hold_low=False)(mod), arrays)
+    x, w1, b1, w2 = (torch.tensor(a) for a in arrays)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = torch.tanh(x @ w1 + b1) @ w2
+    assert theirs.dtype == torch.bfloat16
+    theirs = theirs.float().numpy()
+    import ml_dtypes
+
+    assert (held.astype(ml_dtypes.bfloat16).astype(np.float32) == held).all()  # bf16 values
+    assert (kept.astype(ml_dtypes.bfloat16).astype(np.float32) != kept).any()
+    exact = np.tanh(arrays[0].astype(np.float64) @ arrays[1] + arrays[2]) @ arrays[3]
+    print(f"ours {_distance(held, exact):.2e}, autocast {_distance(theirs, exact):.2e}, "
+          f"float32 results {_distance(kept, exact):.2e}")
+    assert _distance(held, theirs) < 2 * _distance(theirs, exact)  # autocast's values
+    assert _distance(held, exact) < 1.5 * _distance(theirs, exact)
+    assert _distance(kept, exact) < _distance(held, exact)
+
+
+def test_a_masked_row_stays_finite():
+    """Scores plus a mask of float32's most negative value, a whole row masked (padding):
+    the sum is float32, as PyTorch's type promotion makes it (rounded to bf16 the mask would be
+    -inf and the row's softmax NaN); gradients finite and as close to float64 as float32's
+    products of bf16 operands allow."""
+    q = relax.Var("q", relax.TensorType((2, 8, 16), "float32"))
+    k = relax.Var("k", relax.TensorType((2, 8, 16), "float32"))
+    keep = relax.Var("keep", relax.TensorType((2, 8, 8), "bool"))
+    bb = relax.BlockBuilder()
+    low = np.finfo(np.float32).min
+    with bb.function("main", [q, k, keep]):
+        with bb.dataflow():
+            mask = bb.emit(op.where(keep, relax.const(0.0), relax.const(float(low))))
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 2, 1])),
+                                         relax.const(0.25)))  # fmt: skip
+            p = bb.emit(op.nn.softmax(op.add(scores, mask), axis=-1))
+            loss = bb.emit_output(op.sum(op.multiply(op.matmul(p, k), q)))
+        bb.emit_func_output(loss)
+    mod = bb.get()
+    rng = np.random.default_rng(0)
+    qs, ks = (rng.standard_normal((2, 8, 16)).astype("float32") for _ in range(2))
+    keeps = rng.random((2, 8, 8)) > 0.3
+    keeps[0, 3] = False  # a row of padding
+    mixed = relaxgrad.Gradient("main", require_grads=[mod["main"].params[0],
+                                                      mod["main"].params[1]])(
+        MixedPrecision("bf16")(mod))  # fmt: skip
+    tq, tk = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (qs, ks))
+    scores = tq @ tk.transpose(1, 2) * 0.25 + torch.where(torch.tensor(keeps), 0.0, float(low))
+    (torch.softmax(scores, -1) @ tk * tq).sum().backward()
+    held = mixed["main_adjoint"]
+    reading = read_held_values(held)
+    for adjoint in (held, reading):
+        program = tvm.IRModule({"main_adjoint": adjoint})
+        vm = relax.VirtualMachine(relaxgrad.compile(program, "llvm", cache=False), tvm.cpu())
+        loss, (gq, gk) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (qs, ks, keeps)))
+        for got, want in ((gq.numpy(), tq.grad.numpy()), (gk.numpy(), tk.grad.numpy())):
+            assert np.isfinite(got).all()
+            assert _distance(got, want) < 3e-2
+
+    def readers_of_softmax(func):  # the bindings reading the softmax's float32 result
+        (prob,) = [b.var for block in func.body.blocks for b in block.bindings
+                   if isinstance(b.value, relax.Call) and b.value.op == tvm.ir.Op.get(
+                       "relax.nn.softmax")]  # fmt: skip
+        return [b.value for block in func.body.blocks for b in block.bindings
+                if any(v.same_as(prob) for v in relax.analysis.free_vars(b.value))]
+
+    assert len(readers_of_softmax(held)) > 1  # its gradient reads the float32 probabilities
+    (only,) = readers_of_softmax(reading)  # the backward reads the held copy instead
+    assert only.op == tvm.ir.Op.get("relax.astype") and str(only.attrs.dtype) == "bfloat16"
