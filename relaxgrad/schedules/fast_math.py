@@ -256,9 +256,16 @@ def _widened(store: tirx.BufferStore, params=()):
 
 
 def _reads_bf16(expr) -> bool:
-    loads = []
-    tvm_ffi.structural_walk(expr, [(tvm.ir.TensorLoad, loads.append)])
-    return any(str(load.ty) == "bfloat16" for load in loads)
+    """Whether a bfloat16 value occurs in ``expr`` (a load, a cast, a select of them)."""
+    found = []
+
+    def visit(node):
+        ty = getattr(node, "ty", None)
+        if not found and ty is not None and str(ty).startswith("bfloat16"):
+            found.append(node)
+
+    tvm_ffi.structural_walk(expr, [(object, visit)])
+    return bool(found)
 
 
 def _inlined_over_bf16(let: tirx.Let) -> tirx.PrimExpr:
@@ -268,16 +275,25 @@ def _inlined_over_bf16(let: tirx.Let) -> tirx.PrimExpr:
     operands more than once, which LLVM computes once."""
     if not _reads_bf16(let.value):
         return let
-    var, value = let.var, let.value
-    body = tvm_ffi.structural_map(let.body, (type(var), lambda v: value if v.same_as(var) else v))
-    return tvm_ffi.structural_map(body, (tirx.Let, _inlined_over_bf16))  # the Lets inside
+    return _without_lets(let)
+
+
+def _without_lets(expr: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``expr`` with every ``Let`` in it inlined (a value copied into several places must not
+    carry a ``Let`` along: ``VectorizeLoop`` refuses one var bound twice)."""
+    if not isinstance(expr, tirx.Let):
+        return tvm_ffi.structural_map(expr, (tirx.Let, _without_lets))
+    var, value = expr.var, _without_lets(expr.value)
+    body = _without_lets(expr.body)
+    return tvm_ffi.structural_map(body, (type(var), lambda v: value if v.same_as(var) else v))
 
 
 def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
     """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`."""
     inner = cast.value
     if (str(cast.ty) == "float32" and isinstance(inner, tirx.Cast)
-            and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"):
+            and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"
+            and not _reads_bf16(inner.value)):  # (bound in a Let, it would go unlegalized)
         return bf16_rounded(inner.value)
     return cast
 

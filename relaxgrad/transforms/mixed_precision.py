@@ -57,9 +57,10 @@ _LAYOUT_PUSH = ("relax.reshape", "relax.permute_dims", "relax.broadcast_to", "re
                 "relax.squeeze")
 """Layout ops an operand's cast is moved above (one cast of the var they rearrange, shared)."""
 
-_LAYOUT_LOW = (*_LAYOUT_PUSH, "relax.flatten", "relax.strided_slice", "relax.take",
-               "relax.concat")
-"""Ops that move values without computing: a held value's low copy is what they rearrange."""
+_LAYOUT_LOW = (*_LAYOUT_PUSH, "relax.flatten")
+"""Ops that move values without computing: a held value's low copy is what they rearrange.
+(Not slices and concatenations: a rotary embedding's halves, held, fused into one kernel with
+their round trips, which TVM's vectorizer then refused.)"""
 
 KEEPS_LOW_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide",
                  "relax.negative", "relax.maximum", "relax.minimum", "relax.abs", "relax.where",
@@ -131,11 +132,7 @@ class _Cast(PyExprMutator):
             return relax.op.astype(self.builder_.emit(call, f"{name}_f32"), self.dtype)
         if any(is_op(call, op) for op in _LAYOUT_LOW):
             data = call.args[0]
-            if isinstance(data, relax.Tuple):  # concat
-                if not data.fields or not all(f in self._held for f in data.fields):
-                    return None
-                low = relax.Tuple([self._casts[f] for f in data.fields])
-            elif data in self._held:
+            if data in self._held:
                 low = self._casts[data]
             else:
                 return None
