@@ -41,6 +41,7 @@ from .schedules import (
     Bf16MatmulToOneDNN,
     ConvToMatmul,
     DuplicateCheapProducers,
+    ExactCastPairs,
     FastMath,
     FoldConstantCalls,
     FoldConstantOps,
@@ -226,8 +227,9 @@ def _build_cpu(mod: IRModule, target: Target, schedule, calls: set) -> relax.VME
         return build(ScheduleCPU(default_cpu_rules(), verify=False))
     except GradientError:
         raise
-    except Exception:  # noqa: BLE001 - a TVM error of the build: again, schedules checked
-        _log.info("compile: the build failed with unchecked schedules; building again")
+    except Exception as err:  # noqa: BLE001 - a TVM error of the build: again, schedules checked
+        _log.info("compile: the build failed with unchecked schedules (%s); building again",
+                  str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err))
         calls.clear()
         return build(None)
 
@@ -357,9 +359,9 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
     cuda_graph = [relax.transform.RewriteCUDAGraph()] if target.kind.name == "cuda" else []
     schedule = schedule if schedule is not None else ScheduleGPU()
     legalize = LegalizeOpsOnce({"relax.grad.take_backward": legalize_take_backward_gpu})
-    before = [HoldRecomputed(), NllLossGradAsMask(), ConvToMatmul(summed_batches=False),
-              ShareStatistics(), WideColumnSums(), relax.transform.EliminateCommonSubexpr(),
-              ReleaseRecomputed()]  # fmt: skip
+    before = [HoldRecomputed(), ExactCastPairs(), NllLossGradAsMask(),
+              ConvToMatmul(summed_batches=False), ShareStatistics(), WideColumnSums(),
+              relax.transform.EliminateCommonSubexpr(), ReleaseRecomputed()]  # fmt: skip
     return _pipeline(schedule, before, [WithoutSeqScopes()], cuda_graph,
                      "relaxgrad.gpu_pipeline", legalize=legalize)  # fmt: skip
 
@@ -367,7 +369,8 @@ def gpu_pipeline(target: Target, schedule: tvm.transform.Pass | None = None) -> 
 def cpu_pipeline(
     target: Target, schedule: tvm.transform.Pass | None = None, min_rows: int = 64
 ) -> tvm.transform.Pass:
-    """The Relax pipeline for an ``llvm`` target: :class:`RowSparseGradients`,
+    """The Relax pipeline for an ``llvm`` target: :class:`ExactCastPairs`,
+    :class:`RowSparseGradients`,
     :class:`WindowScatter`, :class:`NllLossGradAsMask`, :class:`IntegerPowers`,
     :class:`ConvToMatmul`, :class:`Bf16MatmulToOneDNN`, :class:`MatmulToBLAS`,
     :class:`ShareStatistics`, :class:`MeanAsSum`,
@@ -407,8 +410,8 @@ def cpu_pipeline(
     """
     schedule = schedule if schedule is not None else ScheduleCPU(default_cpu_rules(min_rows))
     summed = blas.available(target)  # no OpenBLAS for another CPU architecture
-    before = [HoldRecomputed(), RowSparseGradients(), WindowScatter(), NllLossGradAsMask(),
-              IntegerPowers(), ConvToMatmul(summed), Bf16MatmulToOneDNN(),
+    before = [HoldRecomputed(), ExactCastPairs(), RowSparseGradients(), WindowScatter(),
+              NllLossGradAsMask(), IntegerPowers(), ConvToMatmul(summed), Bf16MatmulToOneDNN(),
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(), WideColumnSums(),
               relax.transform.EliminateCommonSubexpr(), ReleaseRecomputed()]  # fmt: skip
     return _pipeline(

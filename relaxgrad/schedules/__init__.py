@@ -5,7 +5,8 @@
 mechanism: a rule that raises or whose schedule fails verification falls through to the next, and
 the choice is recorded in ``choices`` / ``errors``. Before legalization, CPU builds compute a
 gradient that is zero but at a few rows of a sequence (a classifier's first token) on those rows
-(:class:`RowSparseGradients`), write an overlapping max pool's gradient as a scatter
+(:class:`RowSparseGradients`), drop a float's round trips through a wider float
+(:class:`ExactCastPairs`), write an overlapping max pool's gradient as a scatter
 (:class:`WindowScatter`), small whole powers as products (:class:`IntegerPowers`) and rewrite
 convolutions into matmuls
 (:class:`ConvToMatmul`), bfloat16 matmuls into oneDNN calls (:class:`Bf16MatmulToOneDNN`), large
@@ -28,6 +29,7 @@ float32 ``exp``, ``tanh``, ``sigmoid`` and ``erf`` become polynomials LLVM vecto
 
 from .accumulate import WideColumnSums
 from .blas import MatmulToBLAS
+from .casts import ExactCastPairs
 from .columns import ColumnLocal, FuseColumnSums
 from .conv import ConvToMatmul
 from .cpu import ParallelLoops, TiledMatmul
@@ -59,6 +61,7 @@ __all__ = [
     "ColumnLocal",
     "ConvToMatmul",
     "DuplicateCheapProducers",
+    "ExactCastPairs",
     "FastMath",
     "FoldConstantCalls",
     "FoldConstantOps",

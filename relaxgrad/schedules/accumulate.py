@@ -11,6 +11,12 @@ casts the rows to float64 inside the reduction and the sum back: the same memory
 cast fuses into the kernel that reads the rows), and each sum exact to the last bit of
 float32. Sums along the innermost axis (a softmax's, a layer norm's) are left as they are, as
 PyTorch leaves them.
+
+Sums of 16-bit floats (bfloat16 or float16, in a mixed-precision adjoint: a grouped-query
+attention's key gradient summed over the query heads that share it) are accumulated in float32
+over any axes and rounded once, as PyTorch's CPU and CUDA sums of them are; TVM's kernel would
+round each partial sum to 16 bits (and its bfloat16 legalization cannot build the vectorized
+accumulation).
 """
 
 from __future__ import annotations
@@ -31,10 +37,23 @@ _MIN_ROWS = 8  # fewer rows add few roundings
 class WideColumnSums:
     """Rewrite a float32 ``sum`` over axes that do not include the innermost one, and a float32
     ``collapse_sum_to`` that keeps the innermost axis, of at least ``_MIN_ROWS`` rows, into
-    ``astype(op(astype(x, "float64")), "float32")`` (see the module docstring)."""
+    ``astype(op(astype(x, "float64")), "float32")``; and every ``sum`` or ``collapse_sum_to`` of
+    a 16-bit float into ``astype(op(astype(x, "float32")), dtype)`` (see the module
+    docstring)."""
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         return rewrite_functions(_Rewriter(mod), mod)
+
+
+def _wide_dtype(call: relax.Call) -> str | None:
+    """The dtype ``call`` (a ``sum`` or ``collapse_sum_to``) accumulates in, None to leave it."""
+    if not isinstance(call, relax.Call) or not (call.op.same_as(_SUM)
+                                                or call.op.same_as(_COLLAPSE)):
+        return None
+    dtype = _ty.dtype_of(call.args[0])
+    if dtype in ("bfloat16", "float16") and _ty.dtype_of(call) == dtype:
+        return "float32"
+    return "float64" if (_rows(call) or 0) >= _MIN_ROWS else None
 
 
 def _rows(call: relax.Call) -> int | None:
@@ -68,18 +87,19 @@ def _rows(call: relax.Call) -> int | None:
 @mutator
 class _Rewriter(PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        if not may_change(func, lambda value: (_rows(value) or 0) >= _MIN_ROWS):
+        if not may_change(func, lambda value: _wide_dtype(value) is not None):
             return func
         return super().visit_function_(func)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
-        rows = _rows(self.builder_.normalize(call))
-        if rows is None or rows < _MIN_ROWS:
+        wide_dtype = _wide_dtype(self.builder_.normalize(call))
+        if wide_dtype is None:
             return call
-        wide = self.builder_.emit(relax.op.astype(call.args[0], "float64"))
+        dtype = _ty.dtype_of(call.args[0])
+        wide = self.builder_.emit(relax.op.astype(call.args[0], wide_dtype))
         if call.op.same_as(_SUM):
             total = relax.op.sum(wide, call.attrs.axis, call.attrs.keepdims)
         else:
             total = relax.op.collapse_sum_to(wide, call.args[1])
-        return relax.op.astype(self.builder_.emit(total), "float32")
+        return relax.op.astype(self.builder_.emit(total), dtype)

@@ -289,13 +289,35 @@ def _without_lets(expr: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
-    """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`."""
+    """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`; ``x``
+    itself where it is a bfloat16 value already (rounded, or a bfloat16 widened): rounding it
+    again changes nothing, and each rounding nested in another multiplies the work of TVM's
+    simplifier, which substitutes a ``Let``'s value for each of its var's four reads (six nested
+    roundings of a rotary embedding's gradient took LLVM's code generation minutes)."""
     inner = cast.value
     if (str(cast.ty) == "float32" and isinstance(inner, tirx.Cast)
-            and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"
-            and not _reads_bf16(inner.value)):  # (bound in a Let, it would go unlegalized)
-        return bf16_rounded(inner.value)
+            and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"):
+        if _holds_bf16(inner.value):
+            return inner.value
+        if not _reads_bf16(inner.value):  # (bound in a Let, it would go unlegalized)
+            return bf16_rounded(inner.value)
     return cast
+
+
+def _holds_bf16(x: tirx.PrimExpr) -> bool:
+    """Whether the float32 ``x`` is a bfloat16 value: :func:`bf16_rounded`'s result or a
+    bfloat16 widened."""
+    if isinstance(x, tirx.Cast):
+        return str(x.value.ty) == "bfloat16"
+    return (isinstance(x, tirx.Let) and x.var.name == "bits" and isinstance(x.body, tirx.Select)
+            and isinstance(x.body.false_value, tvm.ir.Call)
+            and _is_bf16_mask(x.body.false_value.args[0]))  # fmt: skip
+
+
+def _is_bf16_mask(x) -> bool:
+    """Whether ``x`` is ``bits & 0xFFFF0000`` (a float32's low half cleared)."""
+    return (isinstance(x, tirx.BitwiseAnd) and isinstance(x.b, tirx.IntImm)
+            and int(x.b) == 0xFFFF0000)  # fmt: skip
 
 
 @tvm.transform.module_pass(opt_level=0, name="FastMath")

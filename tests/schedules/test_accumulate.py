@@ -14,8 +14,8 @@ import relaxgrad
 from relaxgrad.schedules import WideColumnSums
 
 
-def _module(shape, summed):
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
+def _module(shape, summed, dtype="float32"):
+    x = relax.Var("x", relax.TensorType(shape, dtype))
     bb = relax.BlockBuilder()
     with bb.function("main", [x]):
         with bb.dataflow():
@@ -56,13 +56,7 @@ def test_other_sums_are_left_alone():
     for shape, dtype, summed in [((64, 16), "float32", lambda x: op.sum(x, axis=[1])),
                                  ((4, 16), "float32", lambda x: op.sum(x, axis=[0])),
                                  ((64, 16), "float64", lambda x: op.sum(x, axis=[0]))]:
-        x = relax.Var("x", relax.TensorType(shape, dtype))
-        bb = relax.BlockBuilder()
-        with bb.function("main", [x]):
-            with bb.dataflow():
-                out = bb.emit_output(summed(x))
-            bb.emit_func_output(out)
-        mod = bb.get()
+        mod = _module(shape, summed, dtype)
         tvm.ir.assert_structural_equal(WideColumnSums()(mod), mod)
 
 
@@ -89,3 +83,31 @@ def test_bias_gradient_of_a_linear_layer_is_float64_accumulated():
         results.append([g.numpy() for g in grads])
     for ours, theirs in zip(*results):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "summed",
+    [lambda x: op.collapse_sum_to(x, relax.ShapeExpr([1, 2, 1, 64, 16])),
+     lambda x: op.sum(x, axis=[2], keepdims=True)],
+    ids=["collapse_sum_to", "sum"],
+)
+def test_16_bit_sums_accumulate_in_float32_and_round_once(dtype, summed):
+    """A grouped-query attention's key gradient, summed in bf16 over the query heads sharing a
+    key head: compiled (TVM's bf16 legalization failed to build the vectorized bf16
+    accumulation), and the float32 sum of the 16-bit inputs rounded once, as PyTorch sums."""
+    import ml_dtypes
+
+    low = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    shape = (1, 2, 8, 64, 16)
+    rng = np.random.default_rng(0)
+    scales = np.array([1, 1e-3, 1, 1e-3, 1, 1e-3, 1, 1e-2]).reshape(1, 1, 8, 1, 1)
+    x = (rng.standard_normal(shape) * scales).astype(low)  # small terms a 16-bit sum drops
+    vm = relax.VirtualMachine(relaxgrad.compile(_module(shape, summed, dtype)), tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    want = x.astype("float32").sum(axis=2, keepdims=True).astype(low)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got.astype("float32"), want.astype("float32"))
+    torch = pytest.importorskip("torch")
+    peer = torch.from_numpy(x.astype("float32")).to(getattr(torch, dtype)).sum(2, keepdim=True)
+    np.testing.assert_array_equal(got.astype("float32"), peer.float().numpy())

@@ -111,14 +111,18 @@ def test_rsqrt_becomes_a_division_tvm_vectorizes():
                                    else 1e-15)
 
 
+@pytest.mark.parametrize("times", [1, 3])
 @pytest.mark.parametrize("vectorize", [False, True])
-def test_round_trips_through_bf16_are_rounded_on_bits(vectorize):
+def test_round_trips_through_bf16_are_rounded_on_bits(vectorize, times):
     """``Cast(float32, Cast(bfloat16, x))`` becomes rounding on x's bits (no bfloat16 left):
     nearest, ties to even, the largest values to infinity, NaN kept, as ml_dtypes' and TVM's
-    casts round; checked against numpy's rounding of the same bits."""
+    casts round; checked against numpy's rounding of the same bits. Round trips of a rounded
+    value (``times`` in a row) are the one rounding: one ``Let`` left."""
 
     def round_trip(x):
-        return x.astype("bfloat16").astype("float32")
+        for _ in range(times):
+            x = x.astype("bfloat16").astype("float32")
+        return x
 
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 2**32, 50_000, dtype="uint64").astype("uint32")
@@ -129,6 +133,7 @@ def test_round_trips_through_bf16_are_rounded_on_bits(vectorize):
     xs = np.pad(xs, (0, -len(xs) % 16))
     mod = _compiled(round_trip, len(xs), "float32", vectorize)
     assert "bfloat16" not in mod.script()
+    assert mod.script().count("T.Let(") == 1
     out = tvm.runtime.tensor(np.zeros_like(xs))
     tvm.compile(mod, target="llvm")(tvm.runtime.tensor(xs), out)
     got = out.numpy()
