@@ -99,6 +99,10 @@ _log = logging.getLogger(__name__)
 builds = 0
 """How many modules this process has built (compiles not served by the cache)."""
 
+rebuilds = 0
+"""How many of those CPU builds failed with unchecked schedules and ran again with each
+schedule checked (about three times the compile: see :func:`_build_cpu`)."""
+
 
 def compile(  # noqa: A001 (mirrors tvm.compile)
     mod: IRModule,
@@ -230,6 +234,8 @@ def _build_cpu(mod: IRModule, target: Target, schedule, calls: set) -> relax.VME
     except Exception as err:  # noqa: BLE001 - a TVM error of the build: again, schedules checked
         _log.info("compile: the build failed with unchecked schedules (%s); building again",
                   str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err))
+        global rebuilds
+        rebuilds += 1
         calls.clear()
         return build(None)
 

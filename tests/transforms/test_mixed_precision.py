@@ -106,17 +106,9 @@ def _cnn_module():
     return net, from_torch(net, (torch.randn(4, 3, 8, 8),))
 
 
-def test_bf16_cnn_trains_like_autocast():
-    """A CNN from PyTorch (convolutions and a linear layer in bfloat16) through the Trainer:
-    the first gradients as close to float64 as autocast's, then the loss goes down."""
-    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer
-
-    net, model = _cnn_module()
-    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.05), precision="bf16")
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((4, 3, 8, 8)).astype("float32")
-    y = rng.integers(0, 5, 4)
-    _, ours = trainer.gradients(x, y)
+def _assert_as_close_as_autocasts(net, x, y, ours):
+    """Each of ``ours`` (gradients of ``net``'s cross-entropy on ``x``, ``y``) finite, in
+    float32 and at most twice as far from float64's as PyTorch's bf16 autocast's."""
 
     def torch_grads(dtype, autocast):
         twin = copy.deepcopy(net).to(dtype)
@@ -129,9 +121,27 @@ def test_bf16_cnn_trains_like_autocast():
     assert sorted(ours) == sorted(exact)
     for name, g in ours.items():
         assert g.dtype == np.float32 and np.isfinite(g).all(), name
+        if np.abs(exact[name]).max() < 1e-12:  # zero (a key's bias: softmax ignores it)
+            assert np.abs(g).max() <= 2 * np.abs(autocast[name]).max() + 1e-6, name
+            continue
         ours_d, theirs_d = _distance(g, exact[name]), _distance(autocast[name], exact[name])
         print(f"{name}: ours {ours_d:.2e}, autocast {theirs_d:.2e}")
         assert ours_d <= 2 * theirs_d + 1e-6, name
+
+
+def test_bf16_cnn_trains_like_autocast():
+    """A CNN from PyTorch (convolutions and a linear layer in bfloat16) through the Trainer:
+    the first gradients as close to float64 as autocast's, then the loss goes down."""
+    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer
+
+    net, model = _cnn_module()
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.05), precision="bf16")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 8, 8)).astype("float32")
+    y = rng.integers(0, 5, 4)
+    _, ours = trainer.gradients(x, y)
+
+    _assert_as_close_as_autocasts(net, x, y, ours)
     losses = [trainer.step(x, y) for _ in range(8)]
     assert losses[-1] < losses[0]
 
@@ -247,3 +257,67 @@ def test_a_masked_row_stays_finite():
     assert len(readers_of_softmax(held)) > 1  # its gradient reads the float32 probabilities
     (only,) = readers_of_softmax(reading)  # the backward reads the held copy instead
     assert only.op == tvm.ir.Op.get("relax.astype") and str(only.attrs.dtype) == "bfloat16"
+
+
+class _GroupedQueryAttention(torch.nn.Module):
+    """Four query heads sharing two key/value heads (expanded as Hugging Face's ``repeat_kv``
+    does), rotary embeddings, softmax attention, a linear head on the mean over positions."""
+
+    def __init__(self, seq=8, dim=8, rotary=True):
+        super().__init__()
+        self.rotary = rotary
+        self.q, self.k, self.v = (torch.nn.Linear(32, 4 * dim), torch.nn.Linear(32, 2 * dim),
+                                  torch.nn.Linear(32, 2 * dim))  # fmt: skip
+        self.out = torch.nn.Linear(4 * dim, 5)
+        angles = torch.arange(seq)[:, None] * 10000.0 ** (-torch.arange(0, dim, 2) / dim)
+        angles = torch.cat([angles, angles], -1)
+        self.register_buffer("cos", angles.cos()), self.register_buffer("sin", angles.sin())
+        self.dim = dim
+
+    def _rotary(self, x):
+        half = self.dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * self.cos + rotated * self.sin
+
+    def forward(self, x):
+        b, s, _ = x.shape
+
+        def heads(t, n):
+            return t.reshape(b, s, n, self.dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(x), 4), heads(self.k(x), 2), heads(self.v(x), 2)
+        if self.rotary:
+            q, k = self._rotary(q), self._rotary(k)
+        k, v = (t[:, :, None].expand(b, 2, 2, s, self.dim).reshape(b, 4, s, self.dim)
+                for t in (k, v))  # fmt: skip
+        weights = torch.softmax(q @ k.transpose(-1, -2) / self.dim**0.5, -1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, s, -1).mean(1))
+
+
+@pytest.mark.parametrize("rotary", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+        "known bug: with rotary embeddings FastMath's bf16 round trips give a wrong forward "
+        "(0.42 relative error; TVM's own build of the same module is right)"))),
+])
+def test_bf16_grouped_query_attention_is_as_close_as_autocasts(rotary):
+    """A grouped-query attention with rotary embeddings (a Qwen2 or Llama block's) in bf16: the
+    first gradients as close to float64 as autocast's, and built at the first try (a key
+    gradient summed in bf16 over the query heads sharing it failed TVM's bf16 legalization,
+    and the whole build ran again with each schedule checked)."""
+    from relaxgrad import pipeline
+    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch
+
+    torch.manual_seed(0)
+    net = _GroupedQueryAttention(rotary=rotary)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 8, 32)).astype("float32")
+    y = rng.integers(0, 5, 4)
+    rebuilds = pipeline.rebuilds
+    model = from_torch(net, (torch.from_numpy(x),))
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.05), precision="bf16",
+                                cache=False)
+    assert pipeline.rebuilds == rebuilds
+    _, ours = trainer.gradients(x, y)
+
+    _assert_as_close_as_autocasts(net, x, y, ours)
