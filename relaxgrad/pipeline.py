@@ -232,8 +232,9 @@ def _build_cpu(mod: IRModule, target: Target, schedule, calls: set) -> relax.VME
     except GradientError:
         raise
     except Exception as err:  # noqa: BLE001 - a TVM error of the build: again, schedules checked
+        lines = str(err).strip().splitlines()  # (TVM's message is its last line)
         _log.info("compile: the build failed with unchecked schedules (%s); building again",
-                  str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err))
+                  lines[-1][:300] if lines else type(err).__name__)
         global rebuilds
         rebuilds += 1
         calls.clear()

@@ -31,10 +31,6 @@ _WIDER = {"bfloat16": ("float32", "float64"), "float16": ("float32", "float64"),
           "float32": ("float64",)}
 
 
-def _exact_widening(narrow: str, wide: str) -> bool:
-    return wide in _WIDER.get(narrow, ())
-
-
 def _is_astype(expr) -> bool:
     return isinstance(expr, relax.Call) and expr.op.same_as(_ASTYPE)
 
@@ -52,7 +48,7 @@ class ExactCastPairs:
 @mutator
 class _Rewriter(PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
-        values = bound_values(func) if isinstance(func.body, relax.SeqExpr) else {}
+        values = bound_values(func)
         if not may_change(func, lambda value: self._source(value, values) is not None
                           or _between_16_bit(value)):
             return func
@@ -69,7 +65,7 @@ class _Rewriter(PyExprMutator):
             return None
         y = inner.args[0]
         dtype = _ty.dtype_of(y)
-        if str(value.attrs.dtype) != dtype or not _exact_widening(dtype, str(inner.attrs.dtype)):
+        if str(value.attrs.dtype) != dtype or str(inner.attrs.dtype) not in _WIDER.get(dtype, ()):
             return None
         return y
 
