@@ -25,7 +25,9 @@ Other dtypes are left to LLVM.
   broadcast: "dtype mismatch on BufferStore ... uint16 ... bfloat16x32", a LoRA step of a
   Qwen2 in bf16), and a copy of the polynomials' ``Let`` bindings made ``VectorizeLoop``
   fail ("Let cannot bind the same var to two different values": a mixed-precision MLP's
-  ``tanh`` then cast).
+  ``tanh`` then cast). A value ``VectorizeLoop`` scalarizes (an ``if_then_else``: a rotary
+  embedding's concatenation) is bound in a ``Let`` of the store instead (:func:`_scalarized`):
+  TVM scalarized the ``Bind`` alone and stored its last lane's value in every lane.
 - ``Cast("float32", load)`` of an element of a bfloat16 parameter buffer (a value mixed
   precision holds in bf16) into the element's bits read from a ``uint16`` view of the buffer
   and shifted into a float32's high half (:func:`_widened`): TVM's bf16 legalization passes over
@@ -55,6 +57,9 @@ from tvm import tirx
 from tvm.ir import Op
 
 from .._module import with_functions
+
+_IF_THEN_ELSE = Op.get("prim.if_then_else")
+_REINTERPRET = Op.get("tirx.reinterpret")
 
 _LOG2E = 1.44269504088896341
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
@@ -220,8 +225,27 @@ def _stored_as_bits(store: tirx.BufferStore):
     view = tirx.decl_buffer(buffer.shape, "uint16", f"{buffer.name}_bits", data=buffer.data,
                             strides=buffer.strides, elem_offset=buffer.elem_offset)
     var = tirx.Var("v", "float32")
+    if _scalarized(value.value):  # one statement, scalarized whole
+        return tirx.SeqStmt([tirx.DeclBuffer(view, data=buffer.data), tirx.BufferStore(
+            view, tirx.Let(var, value.value, bf16_bits(var)), store.indices)])
     return tirx.SeqStmt([tirx.Bind(var, value.value), tirx.DeclBuffer(view, data=buffer.data),
                          tirx.BufferStore(view, bf16_bits(var), store.indices)])
+
+
+def _scalarized(expr: tirx.PrimExpr) -> bool:
+    """Whether TVM's ``VectorizeLoop`` may scalarize ``expr``: it holds an ``if_then_else``
+    (whose condition may differ per lane). A ``Bind`` of such a value was scalarized as a
+    statement of its own, a loop over the lanes binding the var, and the statements after it,
+    vectorized, read the var as one scalar: the last lane's value in every lane (a rotary
+    embedding's ``cat([-x2, x1])`` stored in bf16)."""
+    found = []
+
+    def visit(call):
+        if not found and call.op.same_as(_IF_THEN_ELSE):
+            found.append(call)
+
+    tvm_ffi.structural_walk(expr, [(tvm.ir.Call, visit)])
+    return bool(found)
 
 
 def _widened(store: tirx.BufferStore, params=()):
@@ -306,9 +330,14 @@ def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
 
 def _holds_bf16(x: tirx.PrimExpr) -> bool:
     """Whether the float32 ``x`` is a bfloat16 value: :func:`bf16_rounded`'s result or a
-    bfloat16 widened."""
+    bfloat16 widened (a cast, or :func:`_widened`'s bits shifted into the high half: a float32
+    whose low half is zero is a bfloat16)."""
     if isinstance(x, tirx.Cast):
         return str(x.value.ty) == "bfloat16"
+    if isinstance(x, tvm.ir.Call) and x.op.same_as(_REINTERPRET):
+        shifted = x.args[0]
+        return (isinstance(shifted, tvm.ir.prim.expr.LShift) and str(shifted.ty) == "uint32"
+                and isinstance(shifted.b, tirx.IntImm) and int(shifted.b) == 16)  # fmt: skip
     return (isinstance(x, tirx.Let) and x.var.name == "bits" and isinstance(x.body, tirx.Select)
             and isinstance(x.body.false_value, tvm.ir.Call)
             and _is_bf16_mask(x.body.false_value.args[0]))  # fmt: skip
