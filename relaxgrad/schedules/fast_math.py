@@ -39,7 +39,11 @@ Other dtypes are left to LLVM.
   mixed precision's gradients of a product's operands, read back in float32) into that rounding
   on ``x``'s bits (:func:`bf16_rounded`), with no bfloat16 value at all: TVM's legalization of
   the two casts, fused into a batch norm's gradient with a select of a scalar, crashed LLVM's
-  code generator (ResNet-50 in bf16).
+  code generator (ResNet-50 in bf16). Roundings nested in ``x`` are dropped: a fused chain of
+  values held in bf16 computes in float32 and rounds once, at its end (see :func:`_round_trip`:
+  nested, each multiplied the code by four). These run before the ``Let`` bindings over
+  bfloat16 values are inlined, so that a rounding bound in a polynomial's ``Let`` stays bound
+  once (``tanh`` of a held product: 126 copies of it).
 - ``T.rsqrt(x)`` of any float dtype into ``1 / T.sqrt(x)``, what LLVM computes for it anyway:
   TVM's ``VectorizeLoop`` cannot vectorize ``rsqrt`` and scalarizes the whole loop (every
   normalization's gradient has one), leaving it to LLVM's loop vectorizer, which LLVM 22
@@ -313,19 +317,32 @@ def _without_lets(expr: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _round_trip(cast: tirx.Cast) -> tirx.PrimExpr:
-    """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded`; ``x``
-    itself where it is a bfloat16 value already (rounded, or a bfloat16 widened): rounding it
-    again changes nothing, and each rounding nested in another multiplies the work of TVM's
-    simplifier, which substitutes a ``Let``'s value for each of its var's four reads (six nested
-    roundings of a rotary embedding's gradient took LLVM's code generation minutes)."""
+    """``Cast(float32, Cast(bfloat16, x))`` of a float32 ``x`` as :func:`bf16_rounded` of ``x``
+    without the roundings nested in it (:func:`_unrounded`); ``x`` itself where it is a
+    bfloat16 value already (rounded, or a bfloat16 widened): rounding it again changes nothing.
+
+    Each rounding nested in another multiplies the code by four: TVM's simplifier substitutes a
+    ``Let``'s value for each of its var's four reads (six nested roundings of a rotary
+    embedding's gradient took LLVM's code generation minutes; BLOOM's GELU gradient, a chain of
+    held products fused into one kernel, 633 roundings and more than ten minutes). So a fused
+    chain of values held in bf16 computes in float32 and rounds once, at its end."""
     inner = cast.value
     if (str(cast.ty) == "float32" and isinstance(inner, tirx.Cast)
             and str(inner.ty) == "bfloat16" and str(inner.value.ty) == "float32"):
         if _holds_bf16(inner.value):
             return inner.value
         if not _reads_bf16(inner.value):  # (bound in a Let, it would go unlegalized)
-            return bf16_rounded(inner.value)
+            return bf16_rounded(_unrounded(inner.value))
     return cast
+
+
+def _unrounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``x`` with each :func:`bf16_rounded` in it replaced by the value it rounds."""
+
+    def unround(let: tirx.Let) -> tirx.PrimExpr:
+        return let.value.args[0] if _holds_bf16(let) else let  # (bits = reinterpret(value))
+
+    return tvm_ffi.structural_map(x, (tirx.Let, unround))
 
 
 def _holds_bf16(x: tirx.PrimExpr) -> bool:
@@ -379,8 +396,8 @@ class FastMath:
                 widened = functools.partial(_widened, params=list(func.params))
                 body = tvm_ffi.structural_map(func.body, (tirx.BufferStore, widened))
                 body = tvm_ffi.structural_map(body, (tvm.ir.Call, rewrite))
-                body = tvm_ffi.structural_map(body, (tirx.Let, _inlined_over_bf16))
                 body = tvm_ffi.structural_map(body, (tirx.Cast, _round_trip))
+                body = tvm_ffi.structural_map(body, (tirx.Let, _inlined_over_bf16))
                 body = tvm_ffi.structural_map(body, (tirx.BufferStore, _stored_as_bits))
                 if not body.same_as(func.body):
                     updates[gvar] = func.with_body(body)

@@ -242,3 +242,54 @@ def test_stores_of_values_that_tvm_scalarizes_stay_per_lane(held):
     source = given.astype("float32")
     want = np.concatenate([-source[:, half:], source[:, :half]], 1).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(out.numpy().astype("float32"), want.astype("float32"))
+
+
+def test_chains_of_held_values_round_once_per_kernel():
+    """BLOOM's GELU, ``y * 0.5 * (1 + tanh(0.79788456 * y * (1 + 0.044715 * y * y)))`` of a
+    product's result, every op's result held in bf16: fused into one kernel, each rounding
+    nested in the next was copied four times by TVM's simplifier (one kernel held 633
+    roundings, another 126 copies of one inside ``tanh``, and LLVM took more than ten minutes).
+    A fused chain computes in float32 and rounds once; the gradients stay as close to float64
+    as autocast's."""
+    from relaxgrad import pipeline
+    from relaxgrad.transforms import MixedPrecision
+
+    x = relax.Var("x", relax.TensorType((16, 32), "float32"))
+    w = relax.Var("w", relax.TensorType((32, 64), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(op.matmul(x, w))
+            inner = bb.emit(op.add(relax.const(1.0), op.multiply(
+                op.multiply(relax.const(0.044715), y), y)))
+            t = bb.emit(op.tanh(op.multiply(op.multiply(relax.const(0.79788456), y), inner)))
+            z = bb.emit(op.multiply(op.multiply(y, relax.const(0.5)),
+                                    op.add(relax.const(1.0), t)))
+            loss = bb.emit_output(op.sum(op.multiply(z, z)))
+        bb.emit_func_output(loss)
+    mod = relaxgrad.Gradient("main")(MixedPrecision("bf16")(bb.get()))
+    target = pipeline.cpu_target(pipeline.host_target())
+    with tvm.transform.PassContext(config=pipeline.KERNEL_CONFIG), target:
+        lowered = pipeline.cpu_pipeline(target)(pipeline.LowerCallTIRWithGrad()(mod))
+    roundings = [f.script().count(str(0xFFFF0000)) for f in lowered.functions.values()
+                 if isinstance(f, tvm.tirx.PrimFunc)]  # fmt: skip
+    assert 0 < max(roundings) <= 4, roundings
+
+    rng = np.random.default_rng(0)
+    xs, ws = rng.standard_normal((16, 32)).astype("float32"), rng.standard_normal(
+        (32, 64)).astype("float32") * 0.2
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, cache=False), tvm.cpu())
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(xs), tvm.runtime.tensor(ws))
+
+    def torch_grads(dtype, autocast):
+        tx, tw = (torch.tensor(a, dtype=dtype, requires_grad=True) for a in (xs, ws))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = tx @ tw
+            z = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1.0 + 0.044715 * y * y)))
+        (z.float() * z.float()).sum().backward()
+        return [tx.grad.double().numpy(), tw.grad.double().numpy()]
+
+    exact, autocast = torch_grads(torch.float64, False), torch_grads(torch.float32, True)
+    for got, want, theirs in zip(grads, exact, autocast):
+        distance = np.linalg.norm(got.numpy() - want) / np.linalg.norm(want)
+        assert distance <= 2 * np.linalg.norm(theirs - want) / np.linalg.norm(want) + 1e-6
