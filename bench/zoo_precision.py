@@ -49,9 +49,10 @@ def torch_gradients(module, inputs, y, dtype, autocast=None):
                          if p.requires_grad}  # fmt: skip
 
 
-def check(name: str, precision: str, slack: float, rtol: float) -> dict:
+def check(name: str, precision: str, slack: float, rtol: float, verbose: bool = False,
+          seed: int = 0) -> dict:
     """One model's comparison (see the module docstring)."""
-    module, inputs, y = ZOO[name](np.random.default_rng(0))
+    module, inputs, y = ZOO[name](np.random.default_rng(seed))
     y = torch.from_numpy(y)
     start = time.perf_counter()
     model = from_torch(module, inputs)
@@ -60,10 +61,21 @@ def check(name: str, precision: str, slack: float, rtol: float) -> dict:
     compile_s = time.perf_counter() - start
     loss, ours = trainer.gradients(tuple(t.numpy() for t in inputs), y.numpy())
     loss64, exact = torch_gradients(module, inputs, y, torch.float64)
-    loss_ac, autocast = torch_gradients(module, inputs, y, torch.float32, DTYPES[precision])
+    try:
+        loss_ac, autocast = torch_gradients(module, inputs, y, torch.float32, DTYPES[precision])
+        peer = "autocast"
+    except RuntimeError as err:  # (DeBERTa's mask overflows bf16 under autocast)
+        print(f"  {name}: PyTorch's autocast failed ({str(err).splitlines()[0][:80]}); "
+              f"the peer is PyTorch with the whole model in {precision}")
+        loss_ac, autocast = torch_gradients(module, inputs, y, DTYPES[precision])
+        peer = precision
     scale = np.sqrt(sum(np.sum(g**2) for g in exact.values()))
     worst, worst_name, over, nonfinite = 0.0, "", [], []
     for key, g in ours.items():
+        if verbose:
+            print(f"  {key}: ours {np.linalg.norm(g - exact[key]):.3e}, autocast "
+                  f"{np.linalg.norm(autocast[key] - exact[key]):.3e}, norm "
+                  f"{np.linalg.norm(exact[key]):.3e} (of all {scale:.3e})")
         g = g.astype("float64")
         if not np.isfinite(g).all():
             nonfinite.append(key)
@@ -77,8 +89,8 @@ def check(name: str, precision: str, slack: float, rtol: float) -> dict:
                 worst, worst_name = ratio, key
         elif not over and ratio > worst:
             worst, worst_name = ratio, key
-    return dict(name=name, compile_s=compile_s, worst=worst, worst_name=worst_name, over=over,
-                nonfinite=nonfinite, loss=loss, loss_autocast=loss_ac, loss64=loss64,
+    return dict(name=name, peer=peer, compile_s=compile_s, worst=worst, worst_name=worst_name,
+                over=over, nonfinite=nonfinite, loss=loss, loss_autocast=loss_ac, loss64=loss64,
                 params=len(ours), missing=sorted(set(exact) - set(ours)))
 
 
@@ -87,7 +99,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--models", nargs="*", default=list(ZOO))
     parser.add_argument("--slack", type=float, default=2.0)
-    parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--rtol", type=float, default=1e-3)
+    parser.add_argument("--verbose", action="store_true", help="every parameter's errors")
+    parser.add_argument("--seed", type=int, default=0, help="of the batch (the weights: 0)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     print(f"CPU: {cpu_model()}; precision {args.precision}; slack {args.slack}, "
@@ -97,7 +111,7 @@ def main() -> None:
     failed = []
     for name in args.models:
         try:
-            r = check(name, args.precision, args.slack, args.rtol)
+            r = check(name, args.precision, args.slack, args.rtol, args.verbose, args.seed)
         except Exception as err:  # noqa: BLE001 - reported, the sweep goes on
             failed.append(name)
             print(f"{name:20s} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:200]}")

@@ -16,7 +16,10 @@ memory a training step keeps for its backward pass), read back in float32 by the
 follow; a float32 tensor computed in the function (an attention mask) makes a sum float32, as
 PyTorch's type promotion does. A softmax read by a product is held too (its probabilities are
 what the product reads). :func:`read_held_values` makes an adjoint's backward pass read those
-copies (the Trainer applies it). ``hold_low=False`` keeps every result float32.
+copies (the Trainer applies it). ``hold_low=False`` keeps every result float32. What a
+``topk``, ``argmax``, sort or comparison reads is never held, nor what leads to it through the
+ops above: rounded, values close together tie and the choice changes (a mixture of experts'
+router, whose softmax Hugging Face computes in float32 explicitly).
 
 Each operand is cast once per function: a weight read by several products, and by the backward
 pass (whose products read the low-precision copy the forward made, see the rules of
@@ -62,6 +65,11 @@ _LAYOUT_LOW = (*_LAYOUT_PUSH, "relax.flatten")
 (Not slices and concatenations: a rotary embedding's halves, held, fused into one kernel with
 their round trips, which TVM's vectorizer then refused.)"""
 
+_DECISIONS = ("relax.topk", "relax.argmax", "relax.argmin", "relax.argsort", "relax.sort",
+              "relax.equal", "relax.not_equal", "relax.greater", "relax.greater_equal",
+              "relax.less", "relax.less_equal", "relax.unique", "relax.nonzero")
+"""Ops that choose by comparing values: what they read is never held (see :func:`_decisive`)."""
+
 KEEPS_LOW_OPS = ("relax.add", "relax.subtract", "relax.multiply", "relax.divide",
                  "relax.negative", "relax.maximum", "relax.minimum", "relax.abs", "relax.where",
                  "relax.clip", "relax.tanh", "relax.sigmoid", "relax.nn.relu", "relax.nn.gelu",
@@ -92,6 +100,7 @@ class _Cast(PyExprMutator):
         self._params = set(func.params)
         self._biased = _biased_products(func, self._params)
         self._into_products = _into_products(func)
+        self._decisive = _decisive(func)
         return super().visit_function_(func)
 
     def visit_binding_block_(self, block):
@@ -122,7 +131,9 @@ class _Cast(PyExprMutator):
     def _held_low(self, var: relax.Var, call: relax.Call, name: str) -> relax.Expr | None:
         """The low copy of ``call``'s value where it is held (a product's result, a layout op
         of a held value, an op of :data:`KEEPS_LOW_OPS` whose full-size float operands are all
-        held), else None."""
+        held), else None. A value a comparison decides on (:func:`_decisive`) is not held."""
+        if var in self._decisive:
+            return None
         if any(is_op(call, op) for op in LOW_PRECISION_OPS):
             if _ty.dtype_of(call.args[0]) != self.dtype:
                 return None  # not run low (float64 operands, say)
@@ -226,6 +237,26 @@ def _into_products(func: relax.Function) -> set:
                     b.var in found for b in readers.get(source, [])):
                 found.add(source)
                 todo.append(source)
+    return found
+
+
+def _decisive(func: relax.Function) -> set:
+    """The vars of ``func`` that an op of :data:`_DECISIONS` (``topk``, ``argmax``,
+    comparisons) reads, directly or through layout ops and ops of :data:`KEEPS_LOW_OPS` (the
+    ops whose results could be held): rounded to bf16, values close together become equal and
+    the choice between them changes (a mixture of experts' router probabilities: ``topk`` of
+    ``softmax(logits)`` picked other experts than float32's for some token in every batch, and
+    those experts' gradients were 36% off; Hugging Face's routers compute that softmax in
+    float32 explicitly)."""
+    found: set = set()
+    bindings = [b for block in func.body.blocks for b in block.bindings] \
+        if isinstance(func.body, relax.SeqExpr) else []
+    passing = (*_LAYOUT_LOW, *KEEPS_LOW_OPS)
+    for binding in reversed(bindings):
+        value = binding.value
+        if any(is_op(value, op) for op in _DECISIONS) or (
+                binding.var in found and any(is_op(value, op) for op in passing)):
+            found.update(a for a in value.args if isinstance(a, relax.Var))
     return found
 
 

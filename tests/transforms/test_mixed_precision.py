@@ -12,6 +12,7 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.analysis import count_bindings
+from relaxgrad.exprs import is_op
 from relaxgrad.transforms import MixedPrecision
 from relaxgrad.transforms.mixed_precision import read_held_values
 
@@ -318,3 +319,45 @@ def test_bf16_grouped_query_attention_is_as_close_as_autocasts(rotary):
     _, ours = trainer.gradients(x, y)
 
     _assert_as_close_as_autocasts(net, x, y, ours)
+
+
+def test_values_that_topk_or_a_comparison_reads_are_not_held():
+    """A mixture of experts' router: ``topk`` of ``softmax(x @ w)``. Held in bf16, probabilities
+    a few thousandths apart become equal and ``topk`` picks other experts than float32 does
+    (Mixtral's gradients were 36% off): what a choice reads stays float32, through the ops that
+    would hold it (here every result: the logits feed both choices). Compiled, the chosen
+    experts are float32's on rows whose top probabilities are within one bf16 step of each
+    other."""
+    x = relax.Var("x", relax.TensorType((64, 16), "float32"))
+    w = relax.Var("w", relax.TensorType((16, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            logits = bb.emit(op.matmul(x, w))
+            probs = bb.emit(op.nn.softmax(logits, axis=-1))
+            top = bb.emit(op.topk(probs, k=2, axis=-1, ret_type="indices"))
+            positive = bb.emit(op.greater(op.tanh(logits), relax.const(0.0)))
+            out = bb.emit_output(relax.Tuple([top, positive, bb.emit(op.nn.relu(logits))]))
+        bb.emit_func_output(out)
+    mixed = MixedPrecision("bf16")(bb.get())
+    held = {str(b.value.args[0].name) for block in mixed["main"].body.blocks
+            for b in block.bindings
+            if is_op(b.value, "relax.astype") and str(b.value.attrs.dtype) == "bfloat16"}
+    assert held == {"x", "w"}, held  # the operands only: no result is held
+
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((64, 16)).astype("float32")
+    ws = rng.standard_normal((16, 8)).astype("float32") * 0.02  # probabilities close together
+    vm = relax.VirtualMachine(relaxgrad.compile(mixed, cache=False), tvm.cpu())
+    top, _, _ = vm["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(ws))
+    import ml_dtypes
+
+    low = [a.astype(ml_dtypes.bfloat16).astype("float64") for a in (xs, ws)]
+    scores = low[0] @ low[1]
+    probs = np.exp(scores - scores.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    want = np.argsort(-probs, axis=1)[:, :2]
+    rounded = probs.astype(ml_dtypes.bfloat16).astype("float64")
+    ties = np.sort(rounded, 1)[:, -1] == np.sort(rounded, 1)[:, -2]
+    assert ties.any()  # held in bf16, these rows would choose by index
+    np.testing.assert_array_equal(np.sort(top.numpy(), 1), np.sort(want, 1))
