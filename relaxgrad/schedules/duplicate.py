@@ -23,7 +23,8 @@ with the chains copied at once). A producer of no full-size operand (a broadcast
 cross-entropy's gradient, :class:`~relaxgrad.schedules.NllLossGradAsMask`) is copied too. A
 producer of narrower floats than its full-size operand (a float32 value rounded to bfloat16, which
 mixed precision holds so for the backward pass) is a root: copies of what is computed from it
-read it, so the float32 value it was rounded from dies. A
+read it, so the float32 value it was rounded from dies; its late readers (below) read copies
+of it all the same, computed from the held value it comes from. A
 copy computes at most ``_MAX_COST`` ops, its producers' copies included: a chain whose steps
 read the step before twice (``a = a * a + a``) would otherwise double its work per step.
 
@@ -200,13 +201,15 @@ class _Rewriter(PyExprMutator):
             sizes = [self._size(a) for a in args]
             if size is None or None in sizes or any(s > size for s in sizes):
                 continue
-            if _narrows(var, [a for a, s in zip(args, sizes) if s == size]):
-                roots[hash(var)], costs[hash(var)] = {hash(var)}, 0
-                continue  # a copy of it would keep the wider var alive: it is a root
             found = set()
             for arg, arg_size in zip(args, sizes):
                 if arg_size == size:
                     found |= roots.get(hash(arg), {hash(arg)})
+            if _narrows(var, [a for a, s in zip(args, sizes) if s == size]):
+                roots[hash(var)], costs[hash(var)] = {hash(var)}, 0
+                if len(found) == 1 and hash(var) in at:  # a product's operand, read again late
+                    self._read_late(var, found, at, last_read, bound)
+                continue  # a copy of it would keep the wider var alive: it is a root
             if len(found) > 1:
                 continue  # copies would keep two full-size vars alive for one
             cost = 1 + sum(costs.get(hash(arg), 0) for arg in args)  # (x * x: x's twice)
@@ -221,15 +224,20 @@ class _Rewriter(PyExprMutator):
                 if len(users) < 2:
                     self.inner.add(var)  # copied only inside its reader's copies
             elif len(found) == 1:
-                (root,) = found
-                late = _late_readers(at[hash(var)], last_read.get(root, -1)
-                                     if root in bound else math.inf)  # (a parameter: always)
-                if late:
-                    self.late[var] = late
+                self._read_late(var, found, at, last_read, bound)
         values = {hash(var): b.value for b, var, _, _, _ in facts} if self.late else {}
         for var in self.late:  # a copy computes the chain down to the full-size var
             self._chain(var, values, roots)
         return cheap
+
+    def _read_late(self, var, found: set, at: dict, last_read: dict, bound: set) -> None:
+        """Record in ``late`` the readers of ``var`` that read a copy computed from the one
+        full-size var in ``found`` (see :func:`_late_readers`)."""
+        (root,) = found
+        late = _late_readers(at[hash(var)], last_read.get(root, -1)
+                             if root in bound else math.inf)  # (a parameter: always)
+        if late:
+            self.late[var] = late
 
     def _chain(self, var, values: dict, roots: dict) -> None:
         """Record in ``chains`` the call of ``var`` and, recursively, of the elementwise

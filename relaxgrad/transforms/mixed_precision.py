@@ -15,7 +15,9 @@ ops compute from such values only, are rounded to the low dtype once and held so
 memory a training step keeps for its backward pass), read back in float32 by the ops that
 follow; a float32 tensor computed in the function (an attention mask) makes a sum float32, as
 PyTorch's type promotion does. A softmax read by a product is held too (its probabilities are
-what the product reads). :func:`read_held_values` makes an adjoint's backward pass read those
+what the product reads), and so is a batch norm's output where its input is held (autocast
+leaves ``batch_norm`` in the dtype it is given: a CNN's convolution, batch norm and ReLU
+outputs are all bf16 there). :func:`read_held_values` makes an adjoint's backward pass read those
 copies (the Trainer applies it). ``hold_low=False`` keeps every result float32. What a
 ``topk``, ``argmax``, sort or comparison reads is never held, nor what leads to it through the
 ops above: rounded, values close together tie and the choice changes (a mixture of experts'
@@ -95,6 +97,8 @@ class _Cast(PyExprMutator):
         self._biased: set = set()  # the products whose only readers add a bias
         self._values: dict = {}  # var -> its (rewritten) value, this block
         self._params: set = set()  # the function's parameters
+        self._norms: set = set()  # batch norms (their tuples) of held values, this block
+        self._tuples: dict = {}  # var -> the tuple it is bound to, this block
 
     def visit_function_(self, func):
         self._params = set(func.params)
@@ -105,15 +109,28 @@ class _Cast(PyExprMutator):
 
     def visit_binding_block_(self, block):
         self._casts, self._held, self._unrounded, self._values = {}, set(), set(), {}
+        self._norms, self._tuples = set(), {}
         return super().visit_binding_block_(block)
 
     def visit_dataflow_block_(self, block):
         self._casts, self._held, self._unrounded, self._values = {}, set(), set(), {}
+        self._norms, self._tuples = set(), {}
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding):
         var, value = binding.var, binding.value
-        if not isinstance(value, relax.Call) or not _ty.is_tensor(var) \
+        if is_op(value, "relax.nn.batch_norm") and value.args[0] in self._held:
+            self._norms.add(var)  # its output (item 0) is held, as autocast's (see _held_low)
+        if isinstance(value, relax.Tuple):
+            self._tuples[var] = value
+        elif isinstance(value, relax.TupleGetItem) and value.tuple_value in self._tuples:
+            field = self._tuples[value.tuple_value].fields[value.index]
+            if field in self._held:  # a held value repacked (a batch norm's results, imported)
+                self._held.add(var)
+                self._casts[var] = self._casts[field]
+        normalized = isinstance(value, relax.TupleGetItem) and value.index == 0 \
+            and value.tuple_value in self._norms
+        if not (isinstance(value, relax.Call) or normalized) or not _ty.is_tensor(var) \
                 or _ty.dtype_of(var) != "float32":
             return super().visit_var_binding_(binding)
         new = self.builder_.normalize(self.visit_expr(value))
@@ -134,6 +151,8 @@ class _Cast(PyExprMutator):
         held), else None. A value a comparison decides on (:func:`_decisive`) is not held."""
         if var in self._decisive:
             return None
+        if isinstance(call, relax.TupleGetItem):  # a batch norm's output (see visit_var_binding_)
+            return relax.op.astype(self.builder_.emit(call, f"{name}_f32"), self.dtype)
         if any(is_op(call, op) for op in LOW_PRECISION_OPS):
             if _ty.dtype_of(call.args[0]) != self.dtype:
                 return None  # not run low (float64 operands, say)
@@ -242,22 +261,31 @@ def _into_products(func: relax.Function) -> set:
 
 def _decisive(func: relax.Function) -> set:
     """The vars of ``func`` that an op of :data:`_DECISIONS` (``topk``, ``argmax``,
-    comparisons) reads, directly or through layout ops and ops of :data:`KEEPS_LOW_OPS` (the
-    ops whose results could be held): rounded to bf16, values close together become equal and
-    the choice between them changes (a mixture of experts' router probabilities: ``topk`` of
-    ``softmax(logits)`` picked other experts than float32's for some token in every batch, and
-    those experts' gradients were 36% off; Hugging Face's routers compute that softmax in
-    float32 explicitly)."""
+    comparisons of two tensors: not :func:`_threshold`) reads, directly or through layout ops
+    and ops of :data:`KEEPS_LOW_OPS` (the ops whose results could be held): rounded to bf16,
+    values close together become equal and the choice between them changes (a mixture of
+    experts' router probabilities: ``topk`` of ``softmax(logits)`` picked other experts than
+    float32's for some token in every batch, and those experts' gradients were 36% off;
+    Hugging Face's routers compute that softmax in float32 explicitly)."""
     found: set = set()
     bindings = [b for block in func.body.blocks for b in block.bindings] \
         if isinstance(func.body, relax.SeqExpr) else []
     passing = (*_LAYOUT_LOW, *KEEPS_LOW_OPS)
     for binding in reversed(bindings):
         value = binding.value
-        if any(is_op(value, op) for op in _DECISIONS) or (
+        if any(is_op(value, op) for op in _DECISIONS) and not _threshold(value) or (
                 binding.var in found and any(is_op(value, op) for op in passing)):
             found.update(a for a in value.args if isinstance(a, relax.Var))
     return found
+
+
+def _threshold(call: relax.Call) -> bool:
+    """Whether ``call`` compares a value with a constant or a scalar (ReLU's ``x <= 0``, a
+    clamp's mask): rounding moves its outcome only for values within half a bf16 step of the
+    threshold (for 0, none), as autocast's rounding does."""
+    return is_op(call, "relax.nn.relu") or (
+        len(call.args) == 2 and any(isinstance(a, _ty.Constant) or _ty.ndim_of(a) == 0
+                                    for a in call.args))  # fmt: skip
 
 
 def _biased_products(func: relax.Function, params: set) -> set:

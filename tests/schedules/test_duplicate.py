@@ -306,3 +306,34 @@ def test_a_value_rounded_to_bf16_is_a_root_its_copies_read():
     t = (xs[0] + xs[1]).astype(ml_dtypes.bfloat16).astype("float32")
     np.testing.assert_array_equal(relu, np.maximum(t, 0))
     np.testing.assert_array_equal(grad, np.where(t < 0, 0, xs[2]))
+
+
+def test_operands_held_in_bf16_are_copied_for_late_readers_too(monkeypatch):
+    """Mixed precision: each relu output is held in bf16 (a root: the float32 value it was
+    rounded from dies) and read by the next product and, in the backward pass, by its weight
+    gradient. The late reader reads a copy computed from the held product result, which the
+    backward pass keeps anyway, so the packed workspace is smaller (ResNet-50 in bf16 at batch
+    8: 560 -> 371 MiB, float32's 566), with the same gradient bits."""
+    from relaxgrad import pipeline
+    from relaxgrad.schedules import duplicate
+    from relaxgrad.transforms import MixedPrecision
+    from relaxgrad.transforms.plan_memory import PackBlockMemory
+
+    mod = relaxgrad.Gradient("main")(MixedPrecision("bf16")(_mlp(8, differentiate=False)))
+    rng = np.random.default_rng(7)
+    inputs = [tvm.runtime.tensor((0.1 * rng.standard_normal([int(d) for d in p.ty.shape]))
+                                 .astype("float32")) for p in mod["main"].params]  # fmt: skip
+    workspace, results = {}, {}
+    for late in (True, False):
+        if not late:
+            monkeypatch.setattr(duplicate, "_LATE_GAP", 10**9)
+        packer = PackBlockMemory()
+        monkeypatch.setattr(pipeline, "PackBlockMemory", lambda packer=packer: packer)
+        vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm", cache=False), tvm.cpu())
+        workspace[late] = packer.packed["main_adjoint"][0]
+        loss, grads = vm["main_adjoint"](*inputs)
+        results[late] = [loss.numpy(), *(g.numpy() for g in grads)]
+    assert workspace[True] < 0.8 * workspace[False], workspace
+    for a, b in zip(results[True], results[False]):
+        np.testing.assert_array_equal(a, b)
+

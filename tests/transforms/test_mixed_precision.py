@@ -361,3 +361,39 @@ def test_values_that_topk_or_a_comparison_reads_are_not_held():
     ties = np.sort(rounded, 1)[:, -1] == np.sort(rounded, 1)[:, -2]
     assert ties.any()  # held in bf16, these rows would choose by index
     np.testing.assert_array_equal(np.sort(top.numpy(), 1), np.sort(want, 1))
+
+
+def test_batch_norm_outputs_are_held_as_autocasts():
+    """A CNN's convolution, batch norm (training mode) and ReLU outputs are all bf16 under
+    autocast (it leaves ``batch_norm`` in the dtype it is given): each held, the ReLU imported
+    as ``where(x <= 0, 0, x)`` too (a comparison with a constant is a threshold, not a choice
+    between values, see ``_decisive``); the first gradients as close to float64 as
+    autocast's."""
+    from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                              torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, stride=2),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 3 * 3, 5))
+    model = from_torch(net, (torch.randn(4, 3, 8, 8),))
+    mixed = MixedPrecision("bf16", [model.func_name])(model.mod)[model.func_name]
+    ops = {b.var: b.value for block in mixed.body.blocks for b in block.bindings}
+    held = {b.value.args[0] for block in mixed.body.blocks for b in block.bindings
+            if is_op(b.value, "relax.astype") and str(b.value.attrs.dtype) == "bfloat16"}
+    kinds = set()
+    for var in held:
+        value = ops.get(var)
+        if isinstance(value, relax.TupleGetItem):
+            kinds.add("batch_norm" if is_op(ops[value.tuple_value], "relax.nn.batch_norm")
+                      else "item")  # fmt: skip
+        elif isinstance(value, relax.Call):
+            kinds.add(value.op.name)
+    assert {"relax.add", "batch_norm", "relax.where"} <= kinds, kinds  # (conv + its bias)
+
+    trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.05), precision="bf16",
+                                cache=False)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 8, 8)).astype("float32")
+    y = rng.integers(0, 5, 4)
+    _, ours = trainer.gradients(x, y)
+    _assert_as_close_as_autocasts(net, x, y, ours)
