@@ -241,15 +241,13 @@ def _mlp(layers: int, dtype: str = "float32", differentiate: bool = True) -> tvm
     return relaxgrad.Gradient("main")(bb.get()) if differentiate else bb.get()
 
 
-def test_late_copies_shrink_the_adjoints_workspace_and_keep_its_bits(monkeypatch):
-    """An MLP's adjoint: with the relu outputs copied for the weight gradients, the packed
-    workspace is smaller; the gradients are the same bits, and PyTorch's (float64)."""
+def _with_and_without_late_copies(mod, rng, monkeypatch) -> tuple[dict, dict]:
+    """The packed workspace of ``mod``'s adjoint and its results on random inputs, compiled
+    with late copies (key True) and without (False)."""
     from relaxgrad import pipeline
     from relaxgrad.schedules import duplicate
     from relaxgrad.transforms.plan_memory import PackBlockMemory
 
-    mod = _mlp(8)
-    rng = np.random.default_rng(6)
     inputs = [tvm.runtime.tensor((0.1 * rng.standard_normal([int(d) for d in p.ty.shape]))
                                  .astype("float32")) for p in mod["main"].params]  # fmt: skip
     workspace, results = {}, {}
@@ -258,10 +256,19 @@ def test_late_copies_shrink_the_adjoints_workspace_and_keep_its_bits(monkeypatch
             monkeypatch.setattr(duplicate, "_LATE_GAP", 10**9)
         packer = PackBlockMemory()
         monkeypatch.setattr(pipeline, "PackBlockMemory", lambda packer=packer: packer)
-        vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+        vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm", cache=False), tvm.cpu())
         workspace[late] = packer.packed["main_adjoint"][0]
         loss, grads = vm["main_adjoint"](*inputs)
         results[late] = [loss.numpy(), *(g.numpy() for g in grads)]
+    return workspace, results
+
+
+def test_late_copies_shrink_the_adjoints_workspace_and_keep_its_bits(monkeypatch):
+    """An MLP's adjoint: with the relu outputs copied for the weight gradients, the packed
+    workspace is smaller; the gradients are the same bits, and PyTorch's (float64)."""
+    mod = _mlp(8)
+    rng = np.random.default_rng(6)
+    workspace, results = _with_and_without_late_copies(mod, rng, monkeypatch)
     assert workspace[True] < workspace[False], workspace
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
@@ -314,25 +321,11 @@ def test_operands_held_in_bf16_are_copied_for_late_readers_too(monkeypatch):
     gradient. The late reader reads a copy computed from the held product result, which the
     backward pass keeps anyway, so the packed workspace is smaller (ResNet-50 in bf16 at batch
     8: 560 -> 371 MiB, float32's 566), with the same gradient bits."""
-    from relaxgrad import pipeline
-    from relaxgrad.schedules import duplicate
     from relaxgrad.transforms import MixedPrecision
-    from relaxgrad.transforms.plan_memory import PackBlockMemory
 
     mod = relaxgrad.Gradient("main")(MixedPrecision("bf16")(_mlp(8, differentiate=False)))
-    rng = np.random.default_rng(7)
-    inputs = [tvm.runtime.tensor((0.1 * rng.standard_normal([int(d) for d in p.ty.shape]))
-                                 .astype("float32")) for p in mod["main"].params]  # fmt: skip
-    workspace, results = {}, {}
-    for late in (True, False):
-        if not late:
-            monkeypatch.setattr(duplicate, "_LATE_GAP", 10**9)
-        packer = PackBlockMemory()
-        monkeypatch.setattr(pipeline, "PackBlockMemory", lambda packer=packer: packer)
-        vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm", cache=False), tvm.cpu())
-        workspace[late] = packer.packed["main_adjoint"][0]
-        loss, grads = vm["main_adjoint"](*inputs)
-        results[late] = [loss.numpy(), *(g.numpy() for g in grads)]
+    workspace, results = _with_and_without_late_copies(mod, np.random.default_rng(7),
+                                                       monkeypatch)
     assert workspace[True] < 0.8 * workspace[False], workspace
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
