@@ -142,8 +142,12 @@ def is_reshape_kernel(func) -> bool:
         and relax.analysis.has_reshape_pattern(func)
 
 
-def is_op(expr, op: Op) -> bool:
-    """Whether ``expr`` is a call of the operator ``op``."""
+def is_op(expr, op: Op | str) -> bool:
+    """Whether ``expr`` is a call of the operator ``op`` (an ``Op`` or its name, as
+    :func:`relaxgrad.exprs.is_op` takes it: compared as an ``Op``, a name never matched, and
+    the bf16 products of a CPU without bf16 units stayed TVM kernels instead of sgemm calls)."""
+    if isinstance(op, str):
+        op = Op.get(op)
     return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)
 
 

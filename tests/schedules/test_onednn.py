@@ -80,14 +80,20 @@ def test_isa_names_the_cpus_bf16_units():
     assert bf16 == bool(flags & {"avx512_bf16", "amx_bf16"}), (name, flags)
 
 
-@needs_onednn
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "large"])
 def test_products_match_float64(case, kernel):
-    """oneDNN's bf16 GEMM, or OpenBLAS's sgemm on the operands converted: the same products."""
-    a_shape, b_shape, trans_a, trans_b = CASES[case]
+    """oneDNN's bf16 GEMM, or OpenBLAS's sgemm on the operands converted (from a million
+    multiply-adds, as float32 products; smaller ones are TVM's): the same products.
+    (The conversions were never made: the bf16 products of a CPU without bf16 units ran as
+    TVM's kernels, GPT-2's LM head at 3 GFLOP/s.)"""
+    if kernel == "onednn" and not onednn.available():
+        pytest.skip("no oneDNN wheel or AVX-512")
+    a_shape, b_shape, trans_a, trans_b = CASES.get(case, ((256, 512), (384, 512), False, True))
     mod = _product(a_shape, b_shape, trans_a, trans_b)
     ex = relaxgrad.compile(mod, "llvm", cache=False)
     assert ex.onednn_linked == (kernel == "onednn")
+    macs = np.prod(a_shape) * b_shape[-2 if trans_b else -1]
+    assert ex.blas_linked == (kernel == "float32" and macs >= 1 << 20)
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s).astype("float32") for s in (a_shape, b_shape))
     got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(a),
@@ -99,7 +105,8 @@ def test_products_match_float64(case, kernel):
         y = np.swapaxes(y, -1, -2)
     expected = x @ y
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    k = a_shape[-2 if trans_a else -1]  # float32 sums of k terms of about 1
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * max(1, k / 64))
 
 
 def test_falls_back_to_tvm_without_onednn_and_openblas(monkeypatch):
