@@ -83,3 +83,27 @@ def test_round_trips_that_round_are_kept(dtype, chain):
         assert not np.array_equal(want.astype("float32"), (x * x).astype("float32"),
                                   equal_nan=True)  # (the chain rounds)
     np.testing.assert_array_equal(got.astype("float32"), want.astype("float32"))
+
+
+def test_round_trips_through_aliases_and_layout_ops_are_dropped():
+    """A product's output gradient held in bf16, widened, aliased (``g = g_f32``, as the
+    gradient pass binds it), reshaped to rows and narrowed again for the products: the
+    narrowing reads the bf16 value reshaped; the compiled values are the chain's."""
+    x = relax.Var("x", relax.TensorType((2, 4, 32), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wide = bb.emit(op.astype(x, "float32"))
+            alias = bb.emit(wide)
+            rows = bb.emit(op.reshape(alias, (8, 32)))
+            low = bb.emit(op.astype(op.permute_dims(rows), "bfloat16"))
+            out = bb.emit_output(op.multiply(op.astype(low, "float32"), relax.const(2.0)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rewritten = RemoveUnused()(ExactCastPairs()(mod))
+    assert _astypes(rewritten) == 1  # the last widening only
+    values = np.stack([_values("bfloat16")] * 2)  # (2, 4, 32)
+    want = values.astype("float32").reshape(8, 32).T * 2
+    for m in (mod, rewritten):
+        vm = relax.VirtualMachine(relaxgrad.compile(m, cache=False), tvm.cpu())
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(values)).numpy(), want)
