@@ -222,9 +222,15 @@ def _stored_as_bits(store: tirx.BufferStore):
     ``bits[i] = bf16_bits(x)`` into a ``uint16`` view of the buffer (see the module
     docstring), ``x`` bound first."""
     value = store.value
-    if (store.buffer.dtype != "bfloat16" or not isinstance(value, tirx.Cast)
-            or str(value.value.ty) != "float32" or _reads_bf16(value.value)):
-        return store  # (bound, a bfloat16 load would go unlegalized: see _widened)
+    if store.buffer.dtype != "bfloat16":
+        return store
+    if not (isinstance(value, tirx.Cast) and str(value.value.ty) == "float32") \
+            or _reads_bf16(value.value):
+        # left to TVM's bf16 legalization (bound, a bfloat16 load would go unlegalized: see
+        # _widened), which copies a value it rounds: a Let in it (a held value's rounding read
+        # by a comparison) was then bound twice ("Let cannot bind the same var to two
+        # different values": RegNet's ReLU gradient in bf16, a sum of two bf16 gradients)
+        return tirx.BufferStore(store.buffer, _without_lets(value), store.indices)
     buffer = store.buffer
     view = tirx.decl_buffer(buffer.shape, "uint16", f"{buffer.name}_bits", data=buffer.data,
                             strides=buffer.strides, elem_offset=buffer.elem_offset)

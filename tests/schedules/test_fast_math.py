@@ -293,3 +293,37 @@ def test_chains_of_held_values_round_once_per_kernel():
     for got, want, theirs in zip(grads, exact, autocast):
         distance = np.linalg.norm(got.numpy() - want) / np.linalg.norm(want)
         assert distance <= 2 * np.linalg.norm(theirs - want) / np.linalg.norm(want) + 1e-6
+
+
+def test_stores_left_to_tvms_legalization_bind_no_rounding_twice():
+    """A ReLU's gradient in bf16 whose mask reads a held (rounded) value and whose gradient is
+    a sum of two bf16 values: the store computes in bf16, so TVM legalizes it, and it copies
+    the value it rounds; the rounding's ``Let`` was then bound twice ("Let cannot bind the same
+    var to two different values", RegNet and MobileViT in bf16). Vectorized, compiled, against
+    NumPy's rounding of the same values."""
+    import ml_dtypes
+
+    n = 256
+    x, a, b = (te.placeholder((n,), "float32", name=name) for name in "xab")
+    zero = tvm.tirx.const(0.0, "float32")
+
+    def grad(i):
+        held = x[i].astype("bfloat16").astype("float32")
+        total = (a[i].astype("bfloat16") + b[i].astype("bfloat16")).astype("float32")
+        return tvm.tirx.Select(held <= zero, zero, total).astype("bfloat16")
+
+    y = te.compute((n,), grad, name="y")
+    mod = FastMath()(tvm.IRModule({"main": te.create_prim_func([x, a, b, y])}))
+    sch = s_tir.Schedule(mod)
+    (loop,) = sch.get_loops(sch.get_sblock("y"))
+    sch.vectorize(sch.split(loop, [None, 16])[1])
+    rng = np.random.default_rng(0)
+    bf16 = ml_dtypes.bfloat16
+    xs = rng.standard_normal(n).astype("float32")
+    # bf16 values already: TVM's legalization adds the float32 values it is given, unrounded
+    as_, bs = (rng.standard_normal(n).astype(bf16).astype("float32") for _ in range(2))
+    out = tvm.runtime.empty((n,), "bfloat16")
+    tvm.compile(sch.mod, target="llvm")(*(tvm.runtime.tensor(v) for v in (xs, as_, bs)), out)
+    total = (as_ + bs).astype(bf16).astype("float32")
+    want = np.where(xs.astype(bf16).astype("float32") <= 0, 0, total)
+    np.testing.assert_array_equal(out.numpy().astype("float32"), want)

@@ -5,8 +5,9 @@ a quarter of bf16's epsilon, for gradients that are rounding noise), all finite 
 
 The architectures where mixed precision went wrong: Qwen2's rotary embeddings (a wrong forward
 pass), BLOOM (a GELU written as a chain of ops took more than ten minutes to compile), Mixtral
-(router probabilities held in bf16 tied for ``topk``, 36% off gradients); and one of each other
-kind. ``bench/zoo_precision.py`` runs every architecture of the zoo.
+(router probabilities held in bf16 tied for ``topk``, 36% off gradients), RegNet (a ReLU's
+gradient whose mask reads a held value failed TVM's vectorizer); and one of each other kind.
+``bench/zoo_precision.py`` runs every architecture of the zoo.
 """
 
 import copy
@@ -23,7 +24,7 @@ from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch  # noq
 from .models import ZOO  # noqa: E402
 
 SLACK, RTOL = 2.0, 1e-3
-MODELS = ["qwen2", "bloom", "mixtral", "bert", "vit", "resnet"]
+MODELS = ["qwen2", "bloom", "mixtral", "bert", "vit", "resnet", "regnet"]
 #: seconds a model's import and compile may take (BLOOM's took more than 600)
 COMPILE_LIMIT = 120
 
