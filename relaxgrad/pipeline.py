@@ -46,6 +46,7 @@ from .schedules import (
     FoldConstantCalls,
     FoldConstantOps,
     FuseColumnSums,
+    FuseOpsInOrder,
     FuseRowGroups,
     FuseRowReductions,
     HoldRecomputed,
@@ -393,7 +394,8 @@ def cpu_pipeline(
     tuples of a rewritten batch norm's results that nothing reads: such a tuple kept the
     normalized output from being recomputed where relu's gradient reads it, so relu ran as a
     kernel of its own and the output went through memory, :class:`DuplicateCheapProducers` and
-    :class:`FuseRowReductions` before ``FuseOps``, :class:`FuseColumnSums` after it,
+    :class:`FuseRowReductions` before ``FuseOps`` (:class:`FuseOpsInOrder`: each fused kernel
+    where its last operation was), :class:`FuseColumnSums` after it,
     :class:`FuseRowGroups` after ``FuseTIR``), then serial loops over ``sinh`` and ``cosh``,
     which LLVM cannot build vectorized, and over blocks of several results, which TVM builds
     wrong vectorized (:class:`SerialVectorLoops`), and float32 ``exp``, ``tanh`` and
@@ -463,7 +465,7 @@ def _pipeline(
         KeepReversedReadsApart(),  # TVM builds a fused flip's index one element off
         FoldConstantCalls(),  # TVM's FoldConstant: a build per call, quadratic in bindings
         *before_fusing,
-        relax.transform.FuseOps(),
+        FuseOpsInOrder(),  # FuseOps, then each kernel where its last operation was
         *after_fusing,
         relax.transform.FuseTIR(),
         *after_fusing_tir,

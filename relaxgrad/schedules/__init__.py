@@ -16,7 +16,8 @@ products they reduce (:class:`MeanAsSum`), float32 sums over rows accumulate in 
 (:class:`WideColumnSums`), then legalize with each operator's legalization reused
 for calls of the same kind (:class:`LegalizeOpsOnce`); before fusion, cheap elementwise producers
 read twice are copied for each reader (:class:`DuplicateCheapProducers`) and reductions along rows
-may fuse with their readers (:class:`FuseRowReductions`); after fusion, a sum over the rows joins
+may fuse with their readers (:class:`FuseRowReductions`), and ``FuseOps`` emits each kernel
+where its last operation was (:class:`FuseOpsInOrder`); after fusion, a sum over the rows joins
 the elementwise kernel that computes its input for other readers too (:class:`FuseColumnSums`), and
 kernels over the same rows merge (:class:`FuseRowGroups`, scheduled by :class:`RowColumnLocal`)
 and a Trainer's optimizer step writes the new parameters and state over the old
@@ -44,6 +45,7 @@ from .legalize import LegalizeOpsOnce
 from .losses import NllLossGradAsMask
 from .means import MeanAsSum
 from .onednn import Bf16MatmulToOneDNN
+from .order import FuseOpsInOrder
 from .powers import IntegerPowers
 from .recomputed import HoldRecomputed, ReleaseRecomputed
 from .reversed import KeepReversedReadsApart
@@ -67,6 +69,7 @@ __all__ = [
     "FoldConstantOps",
     "FullReduction",
     "FuseColumnSums",
+    "FuseOpsInOrder",
     "FuseRowGroups",
     "FuseRowReductions",
     "HoldRecomputed",
