@@ -17,7 +17,7 @@ from tvm.target import Target
 from .. import _ty
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
-ELEMWISE, INJECTIVE, COMM_REDUCE, OPAQUE = 0, 2, 3, 8  # relax's OpPatternKind
+ELEMWISE, BROADCAST, INJECTIVE, COMM_REDUCE, OPAQUE = 0, 1, 2, 3, 8  # relax's OpPatternKind
 SPATIAL, REDUCE = tirx.IterVar.DataPar, tirx.IterVar.CommReduce  # kinds of block iterators
 #: the attribute of a PrimFunc that calls a library's function (``T.call_extern``): its symbol.
 #: ``relaxgrad.compile`` reads it to know which libraries a build calls (:func:`calls_of`).

@@ -22,15 +22,19 @@ lifetimes the memory planner sees.
 from __future__ import annotations
 
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.ir import IRModule
 
 from .. import _ty
 from .._module import with_functions
-from ._common import COMM_REDUCE, INJECTIVE, with_dataflow_blocks
-from .duplicate import _pattern, _patterns
+from ._common import BROADCAST, COMM_REDUCE, ELEMWISE, INJECTIVE, with_dataflow_blocks
 
 __all__ = ["FuseOpsInOrder"]
+
+_FUSES_INTO = {ELEMWISE: COMM_REDUCE, BROADCAST: COMM_REDUCE, INJECTIVE: INJECTIVE}
+"""The widest ``op_pattern`` of a reader ``FuseOps`` fuses a producer of each pattern into
+(TVM's ``GraphPartitioner``: elementwise and broadcast kernels into injective ones and
+reductions, injective ones into injective ones only)."""
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseOpsInOrder")
@@ -43,7 +47,7 @@ class FuseOpsInOrder:
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
         self.moved = 0
-        patterns = _patterns(mod)
+        patterns = op_patterns(mod)
         updates = {}
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
@@ -65,20 +69,20 @@ class FuseOpsInOrder:
 def sunk_order(bindings: list, reads: dict, patterns: dict) -> list[int] | None:
     """The order of ``bindings`` (indices) with each producer (see the module docstring) just
     before its reader, or None where none moves. ``reads``: :func:`_reads` of the function;
-    ``patterns``: the ``op_pattern`` of each PrimFunc."""
+    ``patterns``: the ``op_pattern`` of each PrimFunc (:func:`op_patterns`)."""
     index = {_ty.key(b.var): i for i, b in enumerate(bindings)}
     before: dict[int, list[int]] = {}  # reader -> the producers to emit just before it
     for i, binding in enumerate(bindings):
         pattern = _pattern(patterns, binding.value)
         var = binding.var
-        if pattern is None or pattern > INJECTIVE or not isinstance(var, relax.DataflowVar):
+        if pattern not in _FUSES_INTO or not isinstance(var, relax.DataflowVar):
             continue
         readers = reads.get(_ty.key(var), ())
         j = index.get(next(iter(readers))) if len(readers) == 1 else None
         if j is None:
             continue  # read twice, or in another block
         reader_pattern = _pattern(patterns, bindings[j].value)
-        if reader_pattern is not None and reader_pattern <= COMM_REDUCE:
+        if reader_pattern is not None and reader_pattern <= _FUSES_INTO[pattern]:
             before.setdefault(j, []).append(i)
     attached = {i for producers in before.values() for i in producers}
     order: list[int] = []
@@ -106,3 +110,19 @@ def _reads(func: relax.Function) -> dict:
         reads.setdefault(_ty.key(var), set()).add(None)
     return reads
 
+
+
+def op_patterns(mod: IRModule) -> dict:
+    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
+    return {gvar: int(func.attrs["op_pattern"]) for gvar, func in mod.functions_items()
+            if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs}
+
+
+def _pattern(patterns: dict, value) -> int | None:
+    """The ``op_pattern`` of the PrimFunc ``value`` calls through ``call_tir``, else None."""
+    if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
+        return None
+    return patterns.get(value.args[0])
+
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")

@@ -104,9 +104,9 @@ def test_producers_move_to_their_one_fusing_reader_and_nothing_else_moves():
                                     relax.transform.AnnotateTIROpPattern()])(bb.get())
     func = mod["main"]
     bindings = list(func.body.blocks[0].bindings)
-    from relaxgrad.schedules.duplicate import _patterns
+    from relaxgrad.schedules.order import op_patterns
 
-    got = order.sunk_order(bindings, order._reads(func), _patterns(mod))
+    got = order.sunk_order(bindings, order._reads(func), op_patterns(mod))
     assert [bindings[i].var.name for i in got] == [
         "twice", "product", "early", "chain", "other", "inner", "late", "out"]
     fused = FuseOpsInOrder()(mod)
