@@ -28,6 +28,7 @@ from tvm.ir import IRModule
 from .. import _ty
 from .._module import with_functions
 from ._common import BROADCAST, COMM_REDUCE, ELEMWISE, INJECTIVE, with_dataflow_blocks
+from .duplicate import _pattern
 
 __all__ = ["FuseOpsInOrder"]
 
@@ -86,15 +87,17 @@ def sunk_order(bindings: list, reads: dict, patterns: dict) -> list[int] | None:
             before.setdefault(j, []).append(i)
     attached = {i for producers in before.values() for i in producers}
     order: list[int] = []
-
-    def emit(i: int) -> None:
-        for producer in before.get(i, ()):
-            emit(producer)
-        order.append(i)
-
-    for i in range(len(bindings)):
-        if i not in attached:
-            emit(i)
+    for root in range(len(bindings)):
+        if root in attached:
+            continue
+        stack = [(root, False)]  # each binding after its producers, theirs first (no recursion:
+        while stack:  # a chain may be thousands of bindings long)
+            i, expanded = stack.pop()
+            if expanded:
+                order.append(i)
+            else:
+                stack.append((i, True))
+                stack.extend((p, False) for p in reversed(before.get(i, ())))
     return None if order == list(range(len(bindings))) else order
 
 
@@ -111,18 +114,8 @@ def _reads(func: relax.Function) -> dict:
     return reads
 
 
-
 def op_patterns(mod: IRModule) -> dict:
     """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
     return {gvar: int(func.attrs["op_pattern"]) for gvar, func in mod.functions_items()
             if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs}
 
-
-def _pattern(patterns: dict, value) -> int | None:
-    """The ``op_pattern`` of the PrimFunc ``value`` calls through ``call_tir``, else None."""
-    if not (isinstance(value, relax.Call) and value.op.same_as(_CALL_TIR)):
-        return None
-    return patterns.get(value.args[0])
-
-
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")

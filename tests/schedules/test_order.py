@@ -83,6 +83,7 @@ def _torch_gradients(values, bf16: bool) -> list[np.ndarray]:
     loss.backward()
     return [loss.detach().double().numpy(), *(t.grad.double().numpy() for t in [x, w, *ws])]
 
+
 def test_producers_move_to_their_one_fusing_reader_and_nothing_else_moves():
     """A chain of elementwise producers read far later moves, whole, to just before its
     reader; a producer read twice, or read by a kernel that does not fuse it, stays."""
