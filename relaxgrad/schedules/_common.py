@@ -14,7 +14,7 @@ from tvm.relax.expr_functor import PyExprVisitor, visitor
 from tvm.script.parser.core.entry import parse
 from tvm.target import Target
 
-from .. import _ty
+from .. import _ty, exprs
 
 THREAD_ENV_ATTRS = ("thread_extent", "virtual_thread")
 ELEMWISE, BROADCAST, INJECTIVE, COMM_REDUCE, OPAQUE = 0, 1, 2, 3, 8  # relax's OpPatternKind
@@ -147,7 +147,7 @@ def is_op(expr, op: Op | str) -> bool:
     :func:`relaxgrad.exprs.is_op` takes it: compared as an ``Op``, a name never matched, and
     the bf16 products of a CPU without bf16 units stayed TVM kernels instead of sgemm calls)."""
     if isinstance(op, str):
-        op = Op.get(op)
+        return exprs.is_op(expr, op)
     return isinstance(expr, relax.Call) and isinstance(expr.op, Op) and expr.op.same_as(op)
 
 

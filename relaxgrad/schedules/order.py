@@ -52,36 +52,36 @@ class FuseOpsInOrder:
         updates = {}
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and isinstance(func.body, relax.SeqExpr):
-                reads = _reads(func)
                 rewritten = with_dataflow_blocks(
-                    func, lambda bindings, reads=reads: self._sunk(bindings, reads, patterns))
+                    func, lambda bindings: self._sunk(bindings, patterns))
                 if rewritten is not None:
                     updates[gvar] = rewritten
         return relax.transform.FuseOps()(with_functions(mod, updates))
 
-    def _sunk(self, bindings: list, reads: dict, patterns: dict) -> list | None:
-        order = sunk_order(bindings, reads, patterns)
+    def _sunk(self, bindings: list, patterns: dict) -> list | None:
+        order = sunk_order(bindings, patterns)
         if order is None:
             return None
         self.moved += sum(i != j for i, j in enumerate(order))
         return [bindings[i] for i in order]
 
 
-def sunk_order(bindings: list, reads: dict, patterns: dict) -> list[int] | None:
-    """The order of ``bindings`` (indices) with each producer (see the module docstring) just
-    before its reader, or None where none moves. ``reads``: :func:`_reads` of the function;
-    ``patterns``: the ``op_pattern`` of each PrimFunc (:func:`op_patterns`)."""
+def sunk_order(bindings: list, patterns: dict) -> list[int] | None:
+    """The order of a dataflow block's ``bindings`` (indices) with each producer (see the
+    module docstring) just before its reader, or None where none moves. ``patterns``: the
+    ``op_pattern`` of each PrimFunc (:func:`op_patterns`)."""
     index = {_ty.key(b.var): i for i, b in enumerate(bindings)}
+    users = relax.analysis.udchain(relax.DataflowBlock(bindings))  # (a dataflow var's: here)
     before: dict[int, list[int]] = {}  # reader -> the producers to emit just before it
     for i, binding in enumerate(bindings):
         pattern = _pattern(patterns, binding.value)
         var = binding.var
         if pattern not in _FUSES_INTO or not isinstance(var, relax.DataflowVar):
             continue
-        readers = reads.get(_ty.key(var), ())
-        j = index.get(next(iter(readers))) if len(readers) == 1 else None
-        if j is None:
-            continue  # read twice, or in another block
+        readers = users.get(var, ())
+        if len(readers) != 1:
+            continue  # read twice
+        j = index[_ty.key(readers[0])]
         reader_pattern = _pattern(patterns, bindings[j].value)
         if reader_pattern is not None and reader_pattern <= _FUSES_INTO[pattern]:
             before.setdefault(j, []).append(i)
@@ -101,21 +101,7 @@ def sunk_order(bindings: list, reads: dict, patterns: dict) -> list[int] | None:
     return None if order == list(range(len(bindings))) else order
 
 
-def _reads(func: relax.Function) -> dict:
-    """Each var's (by handle) reading bindings (their vars' handles), the function's result
-    counted as a reader of its own (None)."""
-    reads: dict = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            for var in relax.analysis.free_vars(binding.value):
-                reads.setdefault(_ty.key(var), set()).add(_ty.key(binding.var))
-    for var in relax.analysis.free_vars(func.body.body):
-        reads.setdefault(_ty.key(var), set()).add(None)
-    return reads
-
-
 def op_patterns(mod: IRModule) -> dict:
     """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
     return {gvar: int(func.attrs["op_pattern"]) for gvar, func in mod.functions_items()
             if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs}
-

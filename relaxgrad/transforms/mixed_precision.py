@@ -91,14 +91,18 @@ class _Cast(PyExprMutator):
     def __init__(self, mod: IRModule, dtype: str, hold: bool):
         super().__init__(mod)
         self.dtype, self.hold, self.rewritten = dtype, hold, 0
+        self._biased: set = set()  # the products whose only readers add a bias
+        self._params: set = set()  # the function's parameters
+        self._new_block()
+
+    def _new_block(self) -> None:
+        """The state of one binding block, empty."""
         self._casts: dict[relax.Expr, relax.Var] = {}  # var -> its low copy
         self._held: set = set()  # the vars whose values are their low copies' (rounded)
         self._unrounded: set = set()  # products rounded once their bias is added
-        self._biased: set = set()  # the products whose only readers add a bias
-        self._values: dict = {}  # var -> its (rewritten) value, this block
-        self._params: set = set()  # the function's parameters
-        self._norms: set = set()  # batch norms (their tuples) of held values, this block
-        self._tuples: dict = {}  # var -> the tuple it is bound to, this block
+        self._values: dict = {}  # var -> its (rewritten) value
+        self._norms: set = set()  # batch norms (their tuples) of held values
+        self._tuples: dict = {}  # var -> the tuple it is bound to
 
     def visit_function_(self, func):
         self._params = set(func.params)
@@ -108,13 +112,11 @@ class _Cast(PyExprMutator):
         return super().visit_function_(func)
 
     def visit_binding_block_(self, block):
-        self._casts, self._held, self._unrounded, self._values = {}, set(), set(), {}
-        self._norms, self._tuples = set(), {}
+        self._new_block()
         return super().visit_binding_block_(block)
 
     def visit_dataflow_block_(self, block):
-        self._casts, self._held, self._unrounded, self._values = {}, set(), set(), {}
-        self._norms, self._tuples = set(), {}
+        self._new_block()
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding):

@@ -329,4 +329,3 @@ def test_operands_held_in_bf16_are_copied_for_late_readers_too(monkeypatch):
     assert workspace[True] < 0.8 * workspace[False], workspace
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
-

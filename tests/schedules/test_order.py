@@ -107,7 +107,7 @@ def test_producers_move_to_their_one_fusing_reader_and_nothing_else_moves():
     bindings = list(func.body.blocks[0].bindings)
     from relaxgrad.schedules.order import op_patterns
 
-    got = order.sunk_order(bindings, order._reads(func), op_patterns(mod))
+    got = order.sunk_order(bindings, op_patterns(mod))
     assert [bindings[i].var.name for i in got] == [
         "twice", "product", "early", "chain", "other", "inner", "late", "out"]
     fused = FuseOpsInOrder()(mod)
