@@ -19,7 +19,7 @@ transformers' ``"eager"`` implementation everywhere.
   (copied from a PEFT model of the same seed), ``Trainer(precision=..., share_frozen=True)``
   (the frozen weights read in the PyTorch module's tensors, not copied); the PyTorch model is
   dropped once the Trainer holds the weights. ``--frozen-dtype bf16``: in bf16, also
-  ``frozen_dtype="bf16"`` (the frozen projections held in bf16, cast once).
+  ``frozen_dtype="bf16"`` (the frozen projections and the embedding held in bf16, cast once).
 
 Each (precision, framework) runs in a child process of its own, ``--runs`` rounds in rotated
 order (interleaved, so that load falls on all alike). *First step* is the time from the
@@ -76,7 +76,7 @@ def parse_args(argv=None):
     parser.add_argument("--packed", action="store_true",
                         help="each row packs 4 sequences (1/2, 1/4, 1/8, 1/8 of --seq)")
     parser.add_argument("--frozen-dtype", choices=("bf16",), default=None,
-                        help="relaxgrad bf16 holds the frozen projections in bf16")
+                        help="relaxgrad bf16 holds the frozen projections and embedding in bf16")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "PRECISION"),
                         help=argparse.SUPPRESS)
@@ -246,7 +246,7 @@ def main() -> None:
           f"{ARGS.seq} tokens{packed}, {ARGS.threads} threads, torch {torch.__version__}, "
           f"{ARGS.runs} round(s) x {ARGS.steps} steps after the first; relaxgrad's bf16 products: "
           f"{bf16_products()}"
-          f"{'; frozen projections held in bf16' if ARGS.frozen_dtype else ''}", flush=True)
+          f"{'; frozen weights held in bf16' if ARGS.frozen_dtype else ''}", flush=True)
     results = {}
     for r in range(ARGS.runs):
         order = [(p, f) for p in ARGS.precision for f in ARGS.frameworks]

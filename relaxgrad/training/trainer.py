@@ -152,11 +152,13 @@ class Trainer:
     frozen_dtype : {None, "bf16", "fp16"}
         With ``precision`` of the same dtype: hold each frozen weight (a buffer no step
         replaces, as a LoRA base's projections) that the model reads only through its
-        low-precision products in that dtype, cast once here rather than every step
-        (:func:`~relaxgrad.transforms.mixed_precision.low_precision_params`): half its memory,
-        the same steps. Such weights are then kept rounded, and :meth:`state_dict` and
-        :meth:`buffers` return them so (as float32 in ``state_dict``); ``frozen_low`` names
-        them. None (default): every weight as given.
+        low-precision products and lookups in that dtype, cast once here rather than every
+        step (:func:`~relaxgrad.transforms.mixed_precision.low_precision_params`): half its
+        memory, the same products; an embedding table (also one tied to the output
+        projection) is then looked up in its rounded rows, as in a model loaded in that dtype.
+        Such weights are kept rounded, and :meth:`state_dict` and :meth:`buffers` return them
+        so (as float32 in ``state_dict``); ``frozen_low`` names them. None (default): every
+        weight as given.
     gradient_checkpointing : bool or checkpoint policy
         Keep fewer activations from the forward pass and recompute the others in the backward
         pass, as Hugging Face's ``gradient_checkpointing_enable()``: True is ``"sqrt"``

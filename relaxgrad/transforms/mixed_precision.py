@@ -353,10 +353,12 @@ class MixedPrecision:
 def low_precision_params(mod: IRModule, dtype: str, func_names, names) -> tuple[IRModule, list]:
     """``mod`` with the parameters ``names`` of every function in ``func_names`` taken in
     ``dtype`` (``"bf16"``, ``"bfloat16"``, ...) where each function reads them only through
-    layout ops (transposes, reshapes) and ``astype(., dtype)`` (as :class:`MixedPrecision`
-    leaves a weight that only products read), and those casts removed; and the names taken so. A
-    value cast once in the caller then gives the same results; a parameter read otherwise too (a
-    norm's weight, an embedding also gathered) stays as it was.
+    layout ops (transposes, reshapes), ``astype(., dtype)`` (as :class:`MixedPrecision` leaves a
+    weight that only products read) and lookups (``take``: an embedding table, also one tied to
+    the output projection), those casts removed and each lookup's rows widened back to float32;
+    and the names taken so. A value cast once in the caller then gives the products the same
+    results, and the lookups its rounded rows (as a model loaded in that dtype looks them up); a
+    parameter read otherwise too (a norm's weight, a gradient's operand) stays as it was.
 
     The :class:`~relaxgrad.training.Trainer` applies it to frozen weights for
     ``frozen_dtype`` (held in half the memory, and not cast again each step)."""
@@ -409,9 +411,9 @@ def _cast_chains(func: relax.Function, names, dtype: str) -> dict[str, set]:
 
 
 def _cast_chain(param: relax.Var, readers: dict, elsewhere: set, dtype: str) -> set | None:
-    """The vars from ``param`` to its casts to ``dtype`` through layout ops, where it reaches
-    nothing else and some cast (see :func:`_readers`); else None."""
-    chain, casts, todo = set(), 0, [param]
+    """The vars from ``param`` to its casts to ``dtype`` and lookups through layout ops, where
+    it reaches nothing else and some cast or lookup (see :func:`_readers`); else None."""
+    chain, reads, todo = set(), 0, [param]
     while todo:
         var = todo.pop()
         if var in elsewhere:
@@ -419,15 +421,15 @@ def _cast_chain(param: relax.Var, readers: dict, elsewhere: set, dtype: str) -> 
         chain.add(var)
         for binding in readers.get(var, []):
             value = binding.value
-            if _is_cast_of(value, var, dtype):
-                casts += 1
+            if _is_cast_of(value, var, dtype) or _is_lookup_in(value, var):
+                reads += 1
             elif (any(is_op(value, name) for name in _LAYOUT_OPS)
                   and value.args[0].same_as(var)
                   and not any(var.same_as(a) for a in value.args[1:])):
                 todo.append(binding.var)
             else:
                 return None
-    return chain if casts else None
+    return chain if reads else None
 
 
 def _is_cast_of(value, var, dtype: str) -> bool:
@@ -435,9 +437,16 @@ def _is_cast_of(value, var, dtype: str) -> bool:
             and str(value.attrs.dtype) == dtype)
 
 
+def _is_lookup_in(value, var) -> bool:
+    """Whether ``value`` looks up rows of ``var`` (``take(var, indices)``, not by ``var``)."""
+    return (is_op(value, "relax.take") and value.args[0].same_as(var)
+            and not value.args[1].same_as(var))
+
+
 def _taken_low(func: relax.Function, names: set, chain: set, dtype: str) -> relax.Function:
     """``func`` with the parameters ``names`` in ``dtype``, their layout ops (``chain``: the
-    vars from them to their casts) taking that dtype and their casts read as what they cast."""
+    vars from them to their casts and lookups) taking that dtype, their casts read as what they
+    cast and their lookups' rows widened to float32."""
     new = {p: relax.Var(p.name, relax.TensorType(_ty.shape_values(p), dtype))
            for p in func.params if p.name in names}
 
@@ -448,6 +457,11 @@ def _taken_low(func: relax.Function, names: set, chain: set, dtype: str) -> rela
             if is_op(value, "relax.astype") and _is_cast_of(value, value.args[0], dtype) \
                     and value.args[0] in chain:
                 self.set_var_remap(binding.var, self.visit_expr(value.args[0]))
+                return
+            if is_op(value, "relax.take") and value.args[0] in chain:
+                rows = self.builder_.emit(self.visit_expr(value))
+                self.set_var_remap(binding.var, self.builder_.emit(
+                    relax.op.astype(rows, "float32"), binding.var.name))
                 return
             super().visit_var_binding_(binding)
 

@@ -237,3 +237,51 @@ def test_frozen_weights_held_in_bf16_give_the_same_steps(tmp_path):
 def test_frozen_dtype_needs_the_same_precision():
     with pytest.raises(ValueError, match="frozen_dtype"):
         _trainer("fp32", frozen_dtype="bf16")
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding looked up and tied to the output projection, a linear layer between."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 16)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        hidden = torch.nn.functional.gelu(self.proj(self.embed(ids)))
+        return (hidden @ self.embed.weight.T).reshape(-1, 50)
+
+
+def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded():
+    """``frozen_dtype="bf16"`` also takes a frozen embedding that is looked up and tied to the
+    output projection: held in bfloat16, its rows read widened, so the steps are those of the
+    float32 model whose embedding was rounded to bfloat16 first, bit for bit; and the loss is
+    PyTorch's for that rounded model in float64 to bf16's rounding."""
+    from relaxgrad.training import lora
+
+    ids = np.random.default_rng(0).integers(0, 50, (4, 8))
+    x, y = ids, np.random.default_rng(1).integers(0, 50, 32)
+    runs = {}
+    for frozen_dtype in (None, "bf16"):
+        net = _TiedLM()
+        if frozen_dtype is None:  # the float32 model with its embedding rounded to bf16
+            with torch.no_grad():
+                net.embed.weight.copy_(net.embed.weight.bfloat16().float())
+        model = lora(from_torch(net, (torch.from_numpy(ids),)), ["proj"], r=4)
+        trainer = Trainer.for_model(model, CrossEntropyLoss(), Adam(1e-2), precision="bf16",
+                                    frozen_dtype=frozen_dtype)
+        runs[frozen_dtype] = trainer, [trainer.step(x, y) for _ in range(3)]
+    (wide, wide_losses), (low, low_losses) = runs[None], runs["bf16"]
+    embedding = [n for n in low.buffer_names if "embed" in n]
+    assert len(embedding) == 1 and embedding[0] in low.frozen_low
+    assert low._buffers[embedding[0]].dtype == "bfloat16"
+    assert low_losses == wide_losses
+    for name in low.param_names:
+        np.testing.assert_array_equal(low.params[name], wide.params[name])
+    rounded = _TiedLM().double()
+    with torch.no_grad():
+        rounded.embed.weight.copy_(rounded.embed.weight.bfloat16().double())
+    exact = torch.nn.functional.cross_entropy(rounded(torch.from_numpy(ids)),
+                                              torch.from_numpy(y)).item()
+    assert abs(low_losses[0] - exact) < 2e-2 * abs(exact)
