@@ -253,11 +253,12 @@ class _TiedLM(torch.nn.Module):
         return (hidden @ self.embed.weight.T).reshape(-1, 50)
 
 
-def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded():
+def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded(tmp_path):
     """``frozen_dtype="bf16"`` also takes a frozen embedding that is looked up and tied to the
     output projection: held in bfloat16, its rows read widened, so the steps are those of the
-    float32 model whose embedding was rounded to bfloat16 first, bit for bit; and the loss is
-    PyTorch's for that rounded model in float64 to bf16's rounding."""
+    float32 model whose embedding was rounded to bfloat16 first, bit for bit; the loss is
+    PyTorch's for that rounded model in float64 to bf16's rounding; exported, the step runs
+    with TVM's runtime alone as in the Trainer."""
     from relaxgrad.training import lora
 
     ids = np.random.default_rng(0).integers(0, 50, (4, 8))
@@ -285,3 +286,5 @@ def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded():
     exact = torch.nn.functional.cross_entropy(rounded(torch.from_numpy(ids)),
                                               torch.from_numpy(y)).item()
     assert abs(low_losses[0] - exact) < 2e-2 * abs(exact)
+    low.export(tmp_path)
+    assert Runner(tmp_path).step(x, y) == pytest.approx(low.step(x, y), rel=1e-6)
