@@ -329,3 +329,24 @@ def test_operands_held_in_bf16_are_copied_for_late_readers_too(monkeypatch):
     assert workspace[True] < 0.8 * workspace[False], workspace
     for a, b in zip(results[True], results[False]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_producer_is_not_copied_into_readers_that_broadcast_it():
+    """A rotary embedding's ``cos(freqs)`` (positions x head size), read by the queries' 14
+    heads and the keys' 2 (broadcast over the heads): a copy in each reader would compute each
+    cosine once per head. It is computed once, in a kernel of its own, which both read (cheap
+    arithmetic broadcast so, as a mean, is still copied: the other tests); values unchanged."""
+
+    def body(bb, freqs, q, k):
+        c = bb.emit(op.cos(freqs))
+        return relax.Tuple([bb.emit(op.multiply(q, c)), bb.emit(op.multiply(k, c))])
+
+    shapes = [(1, 32, 16), (14, 32, 16), (2, 32, 16)]
+    mod = _module(shapes, body)
+    assert _kernels(mod, True) == _kernels(mod, False) == ["multiply", "multiply1", "tir_cos"]
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s).astype("float32") for s in shapes]
+    vm = relax.VirtualMachine(relaxgrad.compile(mod, "llvm"), tvm.cpu())
+    queries, keys = (t.numpy() for t in vm["main"](*[tvm.runtime.tensor(x) for x in xs]))
+    np.testing.assert_allclose(queries, xs[1] * np.cos(xs[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(keys, xs[2] * np.cos(xs[0]), rtol=1e-5, atol=1e-6)
