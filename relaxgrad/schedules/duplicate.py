@@ -120,18 +120,17 @@ _TRANSCENDENTAL = {tvm.ir.Op.get(f"tirx.{name}") for name in (
     "sigmoid")}  # fmt: skip
 
 
-def _transcendental(mod: IRModule) -> set:
-    """The GlobalVars of the PrimFuncs of ``mod`` that compute a transcendental function (a
-    library call or a polynomial per element, not an instruction as ``sqrt``)."""
-    found = set()
-    for gvar, func in mod.functions_items():
-        if isinstance(func, tirx.PrimFunc):
-            def visit(call, gvar=gvar):
-                if call.op in _TRANSCENDENTAL:
-                    found.add(gvar)
+def _computes_transcendental(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` computes a transcendental function (a library call or a polynomial per
+    element, not an instruction as ``sqrt``)."""
+    found = []
 
-            tvm_ffi.structural_walk(func.body, [(tvm.ir.Call, visit)])
-    return found
+    def visit(call):
+        if not found and call.op in _TRANSCENDENTAL:
+            found.append(call)
+
+    tvm_ffi.structural_walk(func.body, [(tvm.ir.Call, visit)])
+    return bool(found)
 
 
 def _pattern(patterns: dict, call) -> int | None:
@@ -185,8 +184,7 @@ class _Rewriter(PyExprMutator):
 
     def __init__(self, mod: IRModule, facts: dict):
         super().__init__(mod)
-        self.patterns = _patterns(mod)
-        self.transcendental = _transcendental(mod)
+        self.mod, self.patterns = mod, _patterns(mod)
         self.costly: dict = {}  # cheap producer var -> whether its copy computes one
         self.facts = facts
         self.cheap: dict = {}  # producer var -> its call, for the producers worth copying
@@ -326,7 +324,12 @@ class _Rewriter(PyExprMutator):
         (its own kernel's or that of a cheap producer it reads, which the copy copies)."""
         if var not in self.costly:
             value = self.cheap[var]
-            self.costly[var] = value.args[0] in self.transcendental or any(
+            gvar = value.args[0]
+            known = self.facts.get(hash(gvar))  # (kept over the rounds, as the bindings')
+            if known is None:
+                known = (gvar, _computes_transcendental(self.mod[gvar]))
+                self.facts[hash(gvar)] = known
+            self.costly[var] = known[1] or any(
                 self._transcendental(arg) for arg in _operands(value) if arg in self.cheap)
         return self.costly[var]
 
