@@ -358,7 +358,7 @@ def low_precision_params(mod: IRModule, dtype: str, func_names, names) -> tuple[
     the output projection), those casts removed and each lookup's rows widened back to float32;
     and the names taken so. A value cast once in the caller then gives the products the same
     results, and the lookups its rounded rows (as a model loaded in that dtype looks them up); a
-    parameter read otherwise too (a norm's weight, a gradient's operand) stays as it was.
+    parameter read otherwise too (a norm's weight, a bias) stays as it was.
 
     The :class:`~relaxgrad.training.Trainer` applies it to frozen weights for
     ``frozen_dtype`` (held in half the memory, and not cast again each step)."""
