@@ -239,25 +239,29 @@ def test_frozen_dtype_needs_the_same_precision():
         _trainer("fp32", frozen_dtype="bf16")
 
 
-class _TiedLM(torch.nn.Module):
-    """An embedding looked up and tied to the output projection, a linear layer between."""
+class _LM(torch.nn.Module):
+    """An embedding looked up, a linear layer, and an output projection: the embedding's
+    transpose where ``tied``, else a linear layer of its own."""
 
-    def __init__(self):
+    def __init__(self, tied: bool):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(50, 16)
         self.proj = torch.nn.Linear(16, 16)
+        self.head = None if tied else torch.nn.Linear(16, 50, bias=False)
 
     def forward(self, ids):
         hidden = torch.nn.functional.gelu(self.proj(self.embed(ids)))
-        return (hidden @ self.embed.weight.T).reshape(-1, 50)
+        logits = hidden @ self.embed.weight.T if self.head is None else self.head(hidden)
+        return logits.reshape(-1, 50)
 
 
-def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded(tmp_path):
-    """``frozen_dtype="bf16"`` also takes a frozen embedding that is looked up and tied to the
-    output projection: held in bfloat16, its rows read widened, so the steps are those of the
-    float32 model whose embedding was rounded to bfloat16 first, bit for bit; the loss is
-    PyTorch's for that rounded model in float64 to bf16's rounding; exported, the step runs
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "looked_up_only"])
+def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded(tmp_path, tied):
+    """``frozen_dtype="bf16"`` also takes a frozen embedding that is looked up (and tied to the
+    output projection, or not): held in bfloat16, its rows read widened, so the steps are those
+    of the float32 model whose embedding was rounded to bfloat16 first, bit for bit; the loss
+    is PyTorch's for that rounded model in float64 to bf16's rounding; exported, the step runs
     with TVM's runtime alone as in the Trainer."""
     from relaxgrad.training import lora
 
@@ -265,7 +269,7 @@ def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded(tmp_path):
     x, y = ids, np.random.default_rng(1).integers(0, 50, 32)
     runs = {}
     for frozen_dtype in (None, "bf16"):
-        net = _TiedLM()
+        net = _LM(tied)
         if frozen_dtype is None:  # the float32 model with its embedding rounded to bf16
             with torch.no_grad():
                 net.embed.weight.copy_(net.embed.weight.bfloat16().float())
@@ -280,7 +284,7 @@ def test_a_frozen_embedding_is_held_in_bf16_and_looked_up_rounded(tmp_path):
     assert low_losses == wide_losses
     for name in low.param_names:
         np.testing.assert_array_equal(low.params[name], wide.params[name])
-    rounded = _TiedLM().double()
+    rounded = _LM(tied).double()
     with torch.no_grad():
         rounded.embed.weight.copy_(rounded.embed.weight.bfloat16().double())
     exact = torch.nn.functional.cross_entropy(rounded(torch.from_numpy(ids)),
