@@ -298,3 +298,21 @@ def _same_indices(a, b) -> bool:
     return len(a.indices) == len(b.indices) and all(
         x.same_as(y) for x, y in zip(a.indices, b.indices)
     )
+
+
+def op_patterns(mod: IRModule) -> dict:
+    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
+    return {gvar: int(func.attrs["op_pattern"]) for gvar, func in mod.functions_items()
+            if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs}
+
+
+def calls_any(node, ops) -> bool:
+    """Whether ``node`` (a TIR expression or statement) calls one of the ``ops``."""
+    found = []
+
+    def visit(call):
+        if not found and call.op in ops:
+            found.append(call)
+
+    tvm_ffi.structural_walk(node, [(tvm.ir.Call, visit)])
+    return bool(found)

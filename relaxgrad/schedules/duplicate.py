@@ -57,13 +57,12 @@ from __future__ import annotations
 import math
 
 import tvm
-import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax
 from tvm.ir import IRModule
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .. import _ty
-from ._common import ELEMWISE, INJECTIVE, static_shape
+from ._common import ELEMWISE, INJECTIVE, calls_any, op_patterns, static_shape
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 _FUSABLE = 3  # relax's OpPatternKind up to kCommReduce: elementwise, broadcast, injective, reduce
@@ -104,33 +103,17 @@ def _patterns(mod: IRModule) -> dict:
     """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar; a reshape
     (``has_reshape_pattern``: the same elements in the same order, an injective op) counts as
     elementwise, which it is but for its indices."""
-    patterns = {}
-    for gvar, func in mod.functions_items():
-        if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs:
-            pattern = int(func.attrs["op_pattern"])
-            if pattern == INJECTIVE and relax.analysis.has_reshape_pattern(func):
-                pattern = ELEMWISE
-            patterns[gvar] = pattern
-    return patterns
+    return {gvar: ELEMWISE if pattern == INJECTIVE
+            and relax.analysis.has_reshape_pattern(mod[gvar]) else pattern
+            for gvar, pattern in op_patterns(mod).items()}  # fmt: skip
 
 
 _TRANSCENDENTAL = {tvm.ir.Op.get(f"tirx.{name}") for name in (
     "exp", "exp2", "exp10", "log", "log10", "log1p", "pow", "cos", "sin", "tan",
     "cosh", "sinh", "tanh", "acos", "asin", "atan", "atan2", "acosh", "asinh", "atanh", "erf",
     "sigmoid")}  # fmt: skip
-
-
-def _computes_transcendental(func: tirx.PrimFunc) -> bool:
-    """Whether ``func`` computes a transcendental function (a library call or a polynomial per
-    element, not an instruction as ``sqrt``)."""
-    found = []
-
-    def visit(call):
-        if not found and call.op in _TRANSCENDENTAL:
-            found.append(call)
-
-    tvm_ffi.structural_walk(func.body, [(tvm.ir.Call, visit)])
-    return bool(found)
+"""Calls that compute a transcendental function: a library call or a polynomial per element,
+not an instruction as ``sqrt``."""
 
 
 def _pattern(patterns: dict, call) -> int | None:
@@ -327,7 +310,7 @@ class _Rewriter(PyExprMutator):
             gvar = value.args[0]
             known = self.facts.get(hash(gvar))  # (kept over the rounds, as the bindings')
             if known is None:
-                known = (gvar, _computes_transcendental(self.mod[gvar]))
+                known = (gvar, calls_any(self.mod[gvar].body, _TRANSCENDENTAL))
                 self.facts[hash(gvar)] = known
             self.costly[var] = known[1] or any(
                 self._transcendental(arg) for arg in _operands(value) if arg in self.cheap)

@@ -61,6 +61,7 @@ from tvm import tirx
 from tvm.ir import Op
 
 from .._module import with_functions
+from ._common import calls_any
 
 _IF_THEN_ELSE = Op.get("prim.if_then_else")
 _REINTERPRET = Op.get("tirx.reinterpret")
@@ -248,14 +249,7 @@ def _scalarized(expr: tirx.PrimExpr) -> bool:
     statement of its own, a loop over the lanes binding the var, and the statements after it,
     vectorized, read the var as one scalar: the last lane's value in every lane (a rotary
     embedding's ``cat([-x2, x1])`` stored in bf16)."""
-    found = []
-
-    def visit(call):
-        if not found and call.op.same_as(_IF_THEN_ELSE):
-            found.append(call)
-
-    tvm_ffi.structural_walk(expr, [(tvm.ir.Call, visit)])
-    return bool(found)
+    return calls_any(expr, (_IF_THEN_ELSE,))
 
 
 def _widened(store: tirx.BufferStore, params=()):

@@ -22,12 +22,19 @@ lifetimes the memory planner sees.
 from __future__ import annotations
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax
 from tvm.ir import IRModule
 
 from .. import _ty
 from .._module import with_functions
-from ._common import BROADCAST, COMM_REDUCE, ELEMWISE, INJECTIVE, with_dataflow_blocks
+from ._common import (
+    BROADCAST,
+    COMM_REDUCE,
+    ELEMWISE,
+    INJECTIVE,
+    op_patterns,
+    with_dataflow_blocks,
+)
 from .duplicate import _pattern
 
 __all__ = ["FuseOpsInOrder"]
@@ -99,9 +106,3 @@ def sunk_order(bindings: list, patterns: dict) -> list[int] | None:
                 stack.append((i, True))
                 stack.extend((p, False) for p in reversed(before.get(i, ())))
     return None if order == list(range(len(bindings))) else order
-
-
-def op_patterns(mod: IRModule) -> dict:
-    """The ``op_pattern`` of each PrimFunc of ``mod`` that has one, by its GlobalVar."""
-    return {gvar: int(func.attrs["op_pattern"]) for gvar, func in mod.functions_items()
-            if isinstance(func, tirx.PrimFunc) and func.attrs and "op_pattern" in func.attrs}
