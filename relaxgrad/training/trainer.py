@@ -24,7 +24,7 @@ from ..errors import GradientError
 from ..ops import random
 from ..schedules import onednn
 from ..schedules.blas import native_arch
-from ..transforms import Gradient, policies
+from ..transforms import FoldRepeatedHeads, Gradient, policies
 from ..transforms.mixed_precision import MixedPrecision, low_precision_params, read_held_values
 from ..transforms.plan_memory import RESULTS_IN_WORKSPACE
 from .accumulate import accumulate_gradients, check_accumulate
@@ -207,6 +207,7 @@ class Trainer:
         frozen_dtype: str | None = None,
     ):
         buffers = dict(buffers or {})
+        model = FoldRepeatedHeads({func_name, eval_func or func_name})(model)
         model = _with_precision(model, precision, {func_name, eval_func or func_name})
         model, self.frozen_low = _frozen_low(model, precision, frozen_dtype,
                                              {func_name, eval_func or func_name},
