@@ -207,10 +207,10 @@ class Trainer:
         frozen_dtype: str | None = None,
     ):
         buffers = dict(buffers or {})
-        model = FoldRepeatedHeads({func_name, eval_func or func_name})(model)
-        model = _with_precision(model, precision, {func_name, eval_func or func_name})
-        model, self.frozen_low = _frozen_low(model, precision, frozen_dtype,
-                                             {func_name, eval_func or func_name},
+        funcs = {func_name, eval_func or func_name}
+        model = FoldRepeatedHeads(funcs)(model)
+        model = _with_precision(model, precision, funcs)
+        model, self.frozen_low = _frozen_low(model, precision, frozen_dtype, funcs,
                                              [n for n in buffers if n not in updates])
         self.precision = precision
         self.loss_scale = INITIAL_LOSS_SCALE if precision == "fp16" else None

@@ -123,14 +123,14 @@ class _Fold(PyExprMutator):
                 if current[-2:] != want or inner_shape[-2:] != want:
                     return None
                 if math.prod(inner_shape[:-2]) != batch:
-                    return self._repeat(value, inner, inner_shape, current, batch, transposed)
+                    return self._repeat(value, inner, inner_shape, current, transposed)
             else:
                 return None
             expr = inner
         return None
 
     @staticmethod
-    def _repeat(value, inner, inner_shape, current, batch, transposed):
+    def _repeat(value, inner, inner_shape, current, transposed):
         """The result of :meth:`_repeated` when ``value`` is the repeating ``broadcast_to``."""
         if not is_op(value, "relax.broadcast_to") or len(inner_shape) != len(current):
             return None
@@ -139,7 +139,4 @@ class _Fold(PyExprMutator):
             return None
         if inner_shape[:axis] != current[:axis]:
             return None
-        rep = current[axis]
-        if math.prod(current[:-2]) != batch or batch % rep:
-            return None
-        return inner, transposed, rep
+        return inner, transposed, current[axis]
