@@ -205,21 +205,37 @@ def _along_row(block: s_tir.SBlock) -> bool:
     return along
 
 
-def _may_start(func: tirx.PrimFunc) -> bool:
-    """Whether a group may start at a kernel ``func``: one that reduces along its rows, and
-    whose blocks other than sums over rows share their rows (:func:`_shared_rows`). A group's
-    function has the kernel's blocks among its own, so a kernel whose blocks run over
-    different rows (a train-mode batch norm: a sum per channel of NCHW, and its NCHW output)
-    starts none; trying one candidate group after another cost a fused build and the rules'
-    checks each (2 s of a small MobileNetV2's compile, and no group)."""
+def _may_start(func: tirx.PrimFunc, min_rows: int) -> bool:
+    """Whether a group may start at a kernel ``func``: one that reduces along its rows over at
+    least ``min_rows`` rows (:func:`_most_rows`), and whose blocks other than sums over rows
+    share their rows (:func:`_shared_rows`). A group's function has the kernel's blocks among
+    its own, so a kernel whose blocks run over different rows (a train-mode batch norm: a sum
+    per channel of NCHW, and its NCHW output) starts none; trying one candidate group after
+    another cost a fused build and the rules' checks each (2 s of a small MobileNetV2's
+    compile, and no group; 0.3 s of a small MLP's, whose rows are too few for the rules)."""
     if not _plain(func):
         return False
     blocks = sblocks(func)
-    if not any(_along_row(block) for block in blocks):
+    along = [block for block in blocks if _along_row(block)]
+    if not along or min(_most_rows(block) for block in along) < min_rows:
         return False
     written = {w.source for block in blocks for w in block.writes}
     rows = [block for block in blocks if _row_sum_depth(block, written) is None]
     return bool(rows) and _shared_rows(rows) is not None
+
+
+def _most_rows(block: s_tir.SBlock) -> float:
+    """The most rows a group's function can have, a block reducing along the row among its
+    blocks: the rows are leading spatial iterators of every block over them (the product of
+    this block's spatial extents bounds them) or, a block with no spatial iterator being a sum
+    over the rows, the extents it sums (the product of all of them). Unbounded (``inf``) for a
+    symbolic extent."""
+    spatial = [i for i in block.iter_vars
+               if int(i.iter_type) == SPATIAL and not is_one(i.dom.extent)]
+    extents = [i.dom.extent for i in (spatial or block.iter_vars)]
+    if not all(isinstance(e, tirx.IntImm) for e in extents):
+        return math.inf
+    return math.prod(int(e) for e in extents)
 
 
 def _loops_bind_rows(sch, block_rv, block: s_tir.SBlock, depth: int) -> bool:
@@ -394,7 +410,7 @@ class _Grouper:
             return False
         gvar = binding.value.args[0]
         if gvar not in self.starts:
-            self.starts[gvar] = _may_start(self.mod[gvar])
+            self.starts[gvar] = _may_start(self.mod[gvar], self.min_rows)
         return self.starts[gvar]
 
     def _merged(self, bindings, members: list[int]):

@@ -186,3 +186,17 @@ def test_blocks_without_a_sum_are_left_to_parallel_loops():
     got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(bv))
     for part, want in zip(got, np.split((xv + bv).reshape(4, 64, 96), 3, axis=2)):
         np.testing.assert_allclose(part.numpy(), want, rtol=1e-6)
+
+
+def test_too_few_rows_start_no_group(monkeypatch):
+    """A kernel reducing along fewer rows than ``min_rows`` (64) starts no group, without a
+    merged function being built or tried against the rules (a small model's compile spent
+    0.3 s on those trials); from ``min_rows`` rows on, the group is made."""
+    from relaxgrad.schedules import groups
+
+    tried = []
+    schedules = groups._Grouper._schedules
+    monkeypatch.setattr(groups._Grouper, "_schedules",
+                        lambda self, prim: tried.append(1) or schedules(self, prim))
+    assert "fused_rows" not in _gradient_kernels((63,), "float32") and not tried
+    assert "fused_rows" in _gradient_kernels((64,), "float32") and tried
