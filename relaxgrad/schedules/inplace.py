@@ -62,7 +62,7 @@ class UpdateInPlace:
         self.min_bytes = min_bytes if min_bytes is not None else float("inf")
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        updates = {}
+        updates, before = {}, _kernels_called(mod)
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
@@ -75,7 +75,21 @@ class UpdateInPlace:
                     mod = _with_prim(mod, gv_prim, prim)
         for gv, func in updates.items():
             mod[gv] = func
+        if updates:  # the out-of-place kernels no call reads now: not scheduled nor built
+            unused = before - _kernels_called(mod)
+            mod = mod.clone()
+            for gv in unused:
+                del mod[gv]
         return mod
+
+
+def _kernels_called(mod: IRModule) -> set:
+    """The GlobalVars of the PrimFuncs the module's Relax functions call."""
+    found = set()
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            tvm_ffi.structural_walk(func, [(tvm.ir.GlobalVar, found.add)])
+    return {gv for gv in found if gv in mod and isinstance(mod[gv], tirx.PrimFunc)}
 
 
 def _with_prim(mod: IRModule, gv: tvm.ir.GlobalVar, prim) -> IRModule:

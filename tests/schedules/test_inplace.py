@@ -6,6 +6,7 @@ the Relax function and in a kernel."""
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, te
 
 import relaxgrad
@@ -184,3 +185,30 @@ def test_a_temporary_read_later_through_a_view_is_not_overwritten():
     b, c, total = vm["main"](tvm.runtime.tensor(value))
     np.testing.assert_allclose(total.numpy(), (value + 1).sum(), rtol=1e-4)
     np.testing.assert_allclose(b.numpy(), np.exp(value + 1), rtol=1e-6)
+
+
+def test_out_of_place_kernels_are_not_kept_for_the_build():
+    """The out-of-place originals of the kernels UpdateInPlace rewrites are dropped with it
+    (nothing calls them: scheduling and building them would be wasted), and no other PrimFunc
+    goes; the module still runs (the values: test_in_place_equals_out_of_place)."""
+    from relaxgrad.schedules import UpdateInPlace
+
+    params = [relax.Var(f"p{i}", relax.TensorType(s, "float32")) for i, s in enumerate(SHAPES)]
+    optimizer = Adam(1e-2)
+    optimizer.init(params)
+    mod = optimizer.add_to(tvm.IRModule(), "optimizer", in_place=True)
+    passes = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+              relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    fused = tvm.transform.Sequential(passes)(mod)
+    rewritten = UpdateInPlace()(fused)
+    before = {gv.name_hint for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    after = {gv.name_hint for gv, f in rewritten.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc)}
+    added = after - before
+    assert added and all(name.endswith("_inplace") for name in added)
+    assert before - after == {name.removesuffix("_inplace") for name in added}
+    called = set()
+    for _, func in rewritten.functions_items():
+        if isinstance(func, relax.Function):
+            tvm_ffi.structural_walk(func, [(tvm.ir.GlobalVar, lambda gv: called.add(gv.name_hint))])
+    assert after <= called
