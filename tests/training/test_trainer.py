@@ -172,10 +172,13 @@ def test_shared_buffers_are_cpu_aligned_contiguous_arrays_only():
     assert _shared(array, tvm.cuda()) is None
 
 
-def test_first_step_gives_back_what_the_caller_let_go(monkeypatch):
-    """The first step returns freed memory to the system once (a source model the caller
-    deleted after making the Trainer), later steps do not; the losses are those of a Trainer
-    that never does (the peak RSS it saves is measured in bench/real_models.py)."""
+@pytest.mark.parametrize("large", [True, False])
+def test_first_step_gives_back_what_the_caller_let_go(monkeypatch, large):
+    """With large weights, the first step returns freed memory to the system once (a source
+    model the caller deleted after making the Trainer), later steps do not; the losses are
+    those of a Trainer that never does (the peak RSS it saves is measured in
+    bench/real_models.py). With small weights (a model, and so garbage, under
+    ``_LARGE_WEIGHTS``), no step does."""
     from relaxgrad.training import trainer as trainer_module
 
     rng = np.random.default_rng(0)
@@ -187,8 +190,12 @@ def test_first_step_gives_back_what_the_caller_let_go(monkeypatch):
     calls = []
     trainer = Trainer(_linear_model(), init, MSELoss(), SGD(0.1))
     monkeypatch.setattr(trainer_module, "_release_free_memory", lambda: calls.append(1))
+    if large:  # these 32 bytes of weights counted as large
+        monkeypatch.setattr(trainer_module, "_LARGE_WEIGHTS", 32)
+    else:
+        assert trainer_module._weight_bytes(trainer) == 32 < trainer_module._LARGE_WEIGHTS
     assert [trainer.step(x, y) for _ in range(3)] == expected
-    assert calls == [1]
+    assert calls == ([1] if large else [])
 
 
 def _tanh_stack(layers: int) -> tuple[tvm.IRModule, dict]:
