@@ -88,7 +88,7 @@ def _kernels_called(mod: IRModule) -> set:
     found = set()
     for _, func in mod.functions_items():
         if isinstance(func, relax.Function):
-            tvm_ffi.structural_walk(func, [(tvm.ir.GlobalVar, found.add)])
+            found.update(relax.analysis.all_global_vars(func))
     return {gv for gv in found if gv in mod and isinstance(mod[gv], tirx.PrimFunc)}
 
 
