@@ -62,7 +62,7 @@ class UpdateInPlace:
         self.min_bytes = min_bytes if min_bytes is not None else float("inf")
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        updates, before = {}, _kernels_called(mod)
+        updates, given = {}, mod
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
@@ -73,12 +73,10 @@ class UpdateInPlace:
                 updates[gv] = new.without_attr(IN_PLACE) if marked else new
                 for gv_prim, prim in kernels.items():
                     mod = _with_prim(mod, gv_prim, prim)
-        for gv, func in updates.items():
+        for gv, func in updates.items():  # (mod is _with_prim's copy by now)
             mod[gv] = func
         if updates:  # the out-of-place kernels no call reads now: not scheduled nor built
-            unused = before - _kernels_called(mod)
-            mod = mod.clone()
-            for gv in unused:
+            for gv in _kernels_called(given) - _kernels_called(mod):
                 del mod[gv]
         return mod
 

@@ -1013,8 +1013,10 @@ def _compile(mod: IRModule, target, cache: bool, progress: bool) -> relax.VMExec
     if ticker is not None:
         ticker.start()
     builds = pipeline.builds
-    # the objects from before the compile are left out of the collection after it (see
-    # _release_free_memory); a program that froze its own is left as it is
+    # the objects from before the compile are left out of the collection after it: it looks
+    # at the compile's own objects only, and frees the same memory in 0.02 s instead of
+    # 0.4-0.6 s with PyTorch and transformers loaded; a program that froze its own is left
+    # as it is
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
@@ -1052,10 +1054,7 @@ def _release_free_memory() -> None:
     """Give the memory a compile freed back to the system: the IR and builds that reference
     cycles keep alive (a garbage collection), then what the C library holds free (glibc's
     ``malloc_trim``): 200 MiB after ResNet-50's compile, which would otherwise stay in the
-    training process's RSS. No trim where the C library has no such function. Called with the
-    objects from before the compile frozen (``gc.freeze``), the collection looks at the
-    compile's own objects only: it frees the same memory in a hundredth of the time (0.01 s
-    instead of 0.4-0.5 s in a process with PyTorch and ``transformers`` loaded)."""
+    training process's RSS. No trim where the C library has no such function."""
     gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim
