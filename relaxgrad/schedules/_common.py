@@ -90,15 +90,12 @@ def rewrite_functions(mutator, mod: IRModule) -> IRModule:
 def may_change(func: relax.Function, wanted: Callable[[relax.Expr], bool]) -> bool:
     """Whether a rewrite of the values for which ``wanted`` holds may change ``func``: one of
     its bindings' values is such, or ``func`` holds expressions this scan does not read (a
-    function or ``If`` inside, a result other than a var or a tuple of vars). A rewrite can
-    return a function for which it does not hold as it is, rather than rebuild it binding by
-    binding (a Python call per binding and per var, for nothing)."""
+    function or ``If`` inside, a result other than vars in tuples, as an adjoint's
+    ``(loss, (grad, ...))``). A rewrite can return a function for which it does not hold as it
+    is, rather than rebuild it binding by binding (a Python call per binding and per var, for
+    nothing)."""
     body = func.body
-    if not isinstance(body, relax.SeqExpr):
-        return True
-    result = body.body
-    fields = result.fields if isinstance(result, relax.Tuple) else [result]
-    if not all(isinstance(field, relax.Var) for field in fields):
+    if not isinstance(body, relax.SeqExpr) or not _vars_in_tuples(body.body):
         return True
     for block in body.blocks:
         for binding in block.bindings:
@@ -106,6 +103,13 @@ def may_change(func: relax.Function, wanted: Callable[[relax.Expr], bool]) -> bo
             if isinstance(value, relax.If | relax.Function | relax.SeqExpr) or wanted(value):
                 return True
     return False
+
+
+def _vars_in_tuples(expr: relax.Expr) -> bool:
+    """Whether ``expr`` is a var or a tuple (of tuples...) of vars."""
+    if isinstance(expr, relax.Tuple):
+        return all(_vars_in_tuples(field) for field in expr.fields)
+    return isinstance(expr, relax.Var)
 
 
 def rebind(mutator, old: relax.Var, value: relax.Expr) -> None:

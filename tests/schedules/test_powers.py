@@ -46,3 +46,32 @@ def test_values_and_gradients_match_tvm(exponent, capfd):
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
     if exponent not in (2.5, 5.0):  # (x ** 5 is left to TVM, which warns)
         assert "Detected pow" not in printed
+
+
+
+def test_an_adjoint_without_powers_is_returned_as_it_is(monkeypatch):
+    """An adjoint returns ``(loss, (grads...))``, vars in nested tuples: with no power to
+    rewrite, the function is returned as it is, not rebuilt binding by binding (an adjoint of
+    ten thousand bindings paid seconds of Python per pass), and still compiles to its values."""
+    from relaxgrad.schedules import powers
+
+    visits = []
+    real = powers._Rewriter._cls.visit_call_  # (the class under TVM's @mutator)
+    monkeypatch.setattr(powers._Rewriter._cls, "visit_call_",
+                        lambda self, call: visits.append(call) or real(self, call))
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    weights = np.random.default_rng(0).standard_normal((4, 16)).astype("float32")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(op.sum(op.multiply(op.exp(x), relax.const(weights))))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    assert IntegerPowers()(mod)["main_adjoint"].same_as(mod["main_adjoint"]) and not visits
+    squared = IntegerPowers()(_adjoint(2.0))  # a power to rewrite: that function is rebuilt
+    assert visits and "R.power" not in squared["main_adjoint"].script()
+    xv = np.random.default_rng(1).uniform(-1.0, 1.0, (4, 16)).astype("float32")
+    vm = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())
+    loss, (grad,) = vm["main_adjoint"](tvm.runtime.tensor(xv))
+    np.testing.assert_allclose(loss.numpy(), np.sum(np.exp(xv) * weights), rtol=1e-5)
+    np.testing.assert_allclose(grad.numpy(), np.exp(xv) * weights, rtol=1e-5, atol=1e-6)
