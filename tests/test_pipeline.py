@@ -31,7 +31,7 @@ from relaxgrad.schedules import (
     default_cpu_rules,
 )
 from relaxgrad.schedules.cpu import MAX_INLINED_LOADS, inlined_loads
-from relaxgrad.testing import random_inputs
+from relaxgrad.testing import FAST_LLVM, random_inputs
 from relaxgrad.training.export import cuda_sources
 from relaxgrad.training.runtime_runner import compile_cuda, find_nvcc
 
@@ -142,7 +142,7 @@ def test_llvm_matches_tvm_compile(name):
     inputs = random_inputs(mod["main"], seed=3)
     schedule = ScheduleCPU()
     ours = relaxgrad.compile(mod, "llvm", schedule=schedule)
-    stock = tvm.compile(mod, "llvm")
+    stock = tvm.compile(mod, FAST_LLVM)
     assert "TiledMatmul" in schedule.choices.values() and not schedule.errors
     for func in ("main", "main_adjoint"):
         got, want = _run(ours, func, inputs), _run(stock, func, inputs)
@@ -453,7 +453,7 @@ def test_host_target_builds():
     mod = adjoint_module("mlp")
     inputs = random_inputs(mod["main"], seed=5)
     got = _run(relaxgrad.compile(mod, target), "main_adjoint", inputs)
-    want = _run(tvm.compile(mod, "llvm"), "main_adjoint", inputs)
+    want = _run(tvm.compile(mod, FAST_LLVM), "main_adjoint", inputs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 

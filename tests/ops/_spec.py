@@ -10,7 +10,7 @@ import tvm
 from tvm import relax
 
 import relaxgrad
-from relaxgrad.testing import check_gradients, loss_module
+from relaxgrad.testing import FAST_LLVM, check_gradients, loss_module
 
 
 @dataclass
@@ -47,10 +47,6 @@ class Case:
             rng.uniform(self.low, self.high, shape).astype(dtype)
             for shape, dtype in zip(self.shapes, self.dtypes())
         ]
-
-
-# The op tests compile hundreds of tiny modules: LLVM's optimizations only cost time there.
-FAST_LLVM = {"kind": "llvm", "opt-level": 0}
 
 
 def run_case(case: Case, seed: int = 0) -> None:

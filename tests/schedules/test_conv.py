@@ -15,6 +15,7 @@ import relaxgrad
 from relaxgrad.pipeline import cpu_pipeline, host_target
 from relaxgrad.schedules import conv, onednn
 from relaxgrad.schedules.conv import ConvToMatmul
+from relaxgrad.testing import FAST_LLVM
 
 CASES = [
     ((2, 3, 6, 6), (4, 3, 3, 3), dict(padding=1)),
@@ -65,7 +66,7 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs, monkeypatch):
     mod = _adjoint(x_shape, w_shape, conv_attrs)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
-    want = _run(tvm.compile(mod, "llvm"), inputs)
+    want = _run(tvm.compile(mod, FAST_LLVM), inputs)
     builds = [relaxgrad.compile(mod)]
     # the batch in the matmuls' columns (with BLAS, for outputs under 128 pixels per image,
     # at any size here)
@@ -83,7 +84,7 @@ def test_conv_gradients_match_tvm(x_shape, w_shape, conv_attrs, monkeypatch):
             assert names >= funcs
         assert "relax.nn.conv2d" not in rewritten.script()
         assert ("collapse_sum_to" in rewritten.script()) == summed
-        builds.append(tvm.compile(rewritten, "llvm"))
+        builds.append(tvm.compile(rewritten, FAST_LLVM))
     for executable in builds:
         got = _run(executable, inputs)
         for g, w in zip(got, want, strict=True):
@@ -106,8 +107,8 @@ def test_gpu_form_gives_tvms_values(x_shape, w_shape, conv_attrs, monkeypatch):
     assert re.search(r"R\.sum\([^)]*axis=\[0\]", rewritten.script()), "K was not split"
     rng = np.random.default_rng(1)
     inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
-    want = _run(tvm.compile(mod, "llvm"), inputs)
-    for g, w in zip(_run(tvm.compile(rewritten, "llvm"), inputs), want, strict=True):
+    want = _run(tvm.compile(mod, FAST_LLVM), inputs)
+    for g, w in zip(_run(tvm.compile(rewritten, FAST_LLVM), inputs), want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
@@ -189,7 +190,7 @@ def test_max_pool_gradient_matches_tvm_with_ties(x_shape, window, relu):
     data = np.random.default_rng(0).standard_normal(x_shape).astype("float32")
     data[0, 0, :3, :3] = 0.5
     got = _run(relaxgrad.compile(mod), [data])
-    want = _run(tvm.compile(mod, "llvm"), [data])
+    want = _run(tvm.compile(mod, FAST_LLVM), [data])
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6)
 
@@ -209,7 +210,7 @@ def test_bf16_conv_gradients_are_matmuls_with_tvms_values(x_shape, w_shape, conv
     assert 'out_dtype="float32"' in rewritten.script()
     rng = np.random.default_rng(2)
     inputs = [rng.standard_normal(s).astype("float32") for s in (x_shape, w_shape)]
-    want = _run(tvm.compile(mod, "llvm"), inputs)
+    want = _run(tvm.compile(mod, FAST_LLVM), inputs)
     executable = relaxgrad.compile(mod, cache=False)
     macs = x_shape[0] * int(np.prod(w_shape)) * x_shape[2] * x_shape[3]  # ~ the forward's
     if macs >= 4 * onednn._MIN_MACS or macs < onednn._MIN_MACS // 4:  # (oneDNN's smallest)

@@ -15,6 +15,7 @@ from tvm.relax import op
 import relaxgrad
 from relaxgrad.pipeline import cpu_pipeline, host_target
 from relaxgrad.schedules import ShareStatistics
+from relaxgrad.testing import FAST_LLVM
 
 
 def _module(shape, axis: int, keepdims: bool, scale: bool = True, center: bool = True,
@@ -65,10 +66,10 @@ def test_values_match_tvm(shape, axis, keepdims, affine):
     inputs = [rng.standard_normal(shape).astype("float32") * 2 + 1,
               *(rng.standard_normal(channels).astype("float32") for _ in range(3)),
               rng.uniform(0.5, 2, channels).astype("float32")]  # fmt: skip
-    want = _run(tvm.compile(mod, "llvm"), inputs)
+    want = _run(tvm.compile(mod, FAST_LLVM), inputs)
     rewritten = ShareStatistics()(mod)
     assert "batch_norm" not in rewritten.script() and "variance" not in rewritten.script()
-    for executable in (tvm.compile(rewritten, "llvm"), relaxgrad.compile(mod)):
+    for executable in (tvm.compile(rewritten, FAST_LLVM), relaxgrad.compile(mod)):
         for got, w in zip(_run(executable, inputs), want, strict=True):
             np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())
 
@@ -110,7 +111,7 @@ def test_relu_after_batch_norm_fuses_into_the_normalization():
     inputs = [rng.standard_normal(shape).astype("float32") * 2 + 1,
               *(rng.standard_normal(8).astype("float32") for _ in range(3)),
               rng.uniform(0.5, 2, 8).astype("float32")]  # fmt: skip
-    want = _run(tvm.compile(mod, "llvm"), inputs)
+    want = _run(tvm.compile(mod, FAST_LLVM), inputs)
     got = _run(relaxgrad.compile(mod), inputs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max())

@@ -14,6 +14,7 @@ from tvm import relax
 
 import relaxgrad
 from relaxgrad.ops import random
+from relaxgrad.testing import FAST_LLVM
 from relaxgrad.training import (
     SGD,
     Adam,
@@ -70,7 +71,7 @@ def our_masks():
             masks = [bb.emit_output(random.bernoulli(bb, like, key, 1 - rate, site))
                      for site, (like, rate) in enumerate(zip(likes, RATES))]
         bb.emit_func_output(relax.Tuple(masks))
-    vm = relax.VirtualMachine(tvm.compile(bb.get(), "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), FAST_LLVM), tvm.cpu())
     dummies = [tvm.runtime.tensor(np.zeros(s, "float32")) for s in shapes]
     return lambda k: [m.numpy() for m in vm["main"](*dummies, tvm.runtime.tensor(
         np.array(k, "uint32")))]
@@ -158,7 +159,7 @@ def test_identity_mode_drops_nothing():
     with pytest.warns(UserWarning, match="identity"):
         model = from_torch(net, (x,), dropout="identity")
     assert model.key is None
-    vm = relax.VirtualMachine(tvm.compile(model.mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(model.mod, FAST_LLVM), tvm.cpu())
     args = [x.numpy(), *(model.params[n] for n in ("fc1.weight", "fc1.bias", "fc2.weight",
                                                    "fc2.bias"))]
     out = vm[model.func_name](*(tvm.runtime.tensor(a) for a in args))[0].numpy()
@@ -279,7 +280,7 @@ def test_feature_alpha_dropout_draws_from_the_key():
     x = torch.randn(4, 6, 3)
     model = from_torch(Alpha(), (x,))
     assert model.key == "dropout_key"
-    vm = relax.VirtualMachine(tvm.compile(model.mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(model.mod, FAST_LLVM), tvm.cpu())
     outs = [vm[model.func_name](tvm.runtime.tensor(x.numpy()),
                                 tvm.runtime.tensor(np.array([0, k], "uint32")))[0].numpy()
             for k in (0, 0, 1)]
@@ -320,7 +321,7 @@ def encoder():
 def _loss_gradients(mod, wrt, args, checkpoint, split=False):
     grad = relaxgrad.Gradient("main_loss", wrt, target_index=0, checkpoint=checkpoint,
                               split=split)(mod)
-    vm = relax.VirtualMachine(tvm.compile(grad, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(grad, FAST_LLVM), tvm.cpu())
     tensors = [tvm.runtime.tensor(a) for a in args]
     if split:
         _, saved = vm["main_loss_fwd"](*tensors)

@@ -35,7 +35,7 @@ from tvm.relax import op
 from relaxgrad import testing
 
 F64 = "float64"
-FAST_LLVM = {"kind": "llvm", "opt-level": 0}
+FAST_LLVM = testing.FAST_LLVM
 
 # Bugs other engineers are fixing now: the generator avoids them unless asked not to. (Fixed
 # since, so generated again: 1-D matmul operands under the simplifier, gather_elements with

@@ -7,7 +7,7 @@ from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
-from relaxgrad.testing import check_gradients, random_inputs
+from relaxgrad.testing import FAST_LLVM, check_gradients, random_inputs
 
 LAYERS, WIDTH, BATCH = 4, 6, 3
 
@@ -108,7 +108,7 @@ def test_require_grads_on_wrapped_var(wrapped):
             gv = bb.emit_output(op.sum(op.multiply(m, m)))
         bb.emit_func_output(gv)
     mod = relaxgrad.Gradient("main", [m, x])(bb.get())
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
     xv = np.array([0.1, -0.5, 0.9], "float32")
     _, (g_m, g_x) = vm["main_adjoint"](tvm.runtime.tensor(xv))
     np.testing.assert_allclose(g_m.numpy(), 2 * np.tanh(xv), rtol=1e-5)

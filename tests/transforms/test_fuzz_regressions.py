@@ -11,9 +11,7 @@ from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
-from relaxgrad.testing import check_gradients, loss_module
-
-FAST_LLVM = {"kind": "llvm", "opt-level": 0}
+from relaxgrad.testing import FAST_LLVM, check_gradients, loss_module
 
 
 def _check(fn, shapes, inputs=None, wrt=None):

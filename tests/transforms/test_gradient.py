@@ -11,7 +11,7 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import relaxgrad
-from relaxgrad.testing import check_gradients
+from relaxgrad.testing import FAST_LLVM, check_gradients
 
 
 @I.ir_module
@@ -61,7 +61,7 @@ def test_composes_in_sequential():
     )
     after = seq(MLP)
     assert "main_adjoint" in [gv.name_hint for gv in after.get_global_vars()]
-    ex = tvm.compile(after, "llvm")
+    ex = tvm.compile(after, FAST_LLVM)
     vm = relax.VirtualMachine(ex, tvm.cpu())
     rng = np.random.default_rng(0)
     args = [rng.uniform(-1, 1, [int(d) for d in p.ty.shape]).astype("float32")
@@ -116,7 +116,7 @@ def test_tuples_numeric():
 
 def test_zero_adjoint_for_unused_inputs():
     mod = relaxgrad.Gradient("main", target_index=0)(TupleModel)
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
     x = tvm.runtime.tensor(np.ones(3, "float32"))
     t = (x, (x, x))
     _, (gx, gt) = vm["main_adjoint"](x, t)
@@ -138,7 +138,7 @@ def test_intermediate_require_grads_numeric():
             gv = bb.emit_output(relax.op.sum(relax.op.multiply(lv1, lv1)))
         bb.emit_func_output(gv)
     mod = relaxgrad.Gradient("main", [lv1, x])(bb.get())
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
     rng = np.random.default_rng(0)
     xv, yv = (rng.uniform(-1, 1, (3, 3)).astype("float32") for _ in range(2))
     _, (g_lv1, g_x) = vm["main_adjoint"](tvm.runtime.tensor(xv), tvm.runtime.tensor(yv))

@@ -14,7 +14,7 @@ from tvm import relax
 
 import relaxgrad
 from relaxgrad import GradientError
-from relaxgrad.testing import random_inputs
+from relaxgrad.testing import FAST_LLVM, random_inputs
 from relaxgrad.transforms import policies as P
 from relaxgrad.transforms.policies import Node, Program
 
@@ -296,7 +296,7 @@ def test_policies_give_the_same_gradients(checkpoint):
 
 def _run_adjoint(gradient, inputs):
     mod = gradient(mlp(False))
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
     _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
     return [g.numpy() for g in grads]
 
@@ -382,7 +382,7 @@ _POLICIES = ["markers", "sqrt", "save_dots", 400, "budget_peak", "budget_live", 
 def _policy_run(mod, checkpoint, inputs):
     """Loss, gradients and the recomputed bindings' names of ``mod``'s compiled adjoint."""
     adjoint = relaxgrad.Gradient("main", checkpoint=checkpoint)(mod)
-    vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(adjoint, FAST_LLVM), tvm.cpu())
     loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
     cp = [b.var.name for block in adjoint["main_adjoint"].body.blocks
           for b in block.bindings if b.var.name.endswith("_cp")]
@@ -449,7 +449,7 @@ def _small_transformer():
 
 
 def _adjoint_values(adjoint, inputs) -> list:
-    vm = relax.VirtualMachine(tvm.compile(adjoint, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(adjoint, FAST_LLVM), tvm.cpu())
     loss, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in inputs])
     return [loss.numpy()] + [g.numpy() for g in grads]
 
