@@ -516,8 +516,11 @@ class MatmulToBLAS:
         self.min_macs = min_macs
 
     def transform_module(self, mod: IRModule, ctx: tvm.transform.PassContext) -> IRModule:
-        if not available():
-            return mod
+        matmul = Op.get("relax.matmul")
+        if not available() or not any(
+                may_change(func, lambda value: is_op(value, matmul))
+                for _, func in mod.functions_items() if isinstance(func, relax.Function)):
+            return mod  # no product to rewrite (each rewrite below would walk every function)
         dead_code = relax.transform.DeadCodeElimination()
         mod = dead_code(rewrite_functions(_TransposedProducts(mod), mod))  # products it replaced
         # (the module has no dead code from here on: a rewrite that replaces nothing leaves

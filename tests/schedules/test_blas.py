@@ -84,6 +84,22 @@ def test_small_and_broadcast_batch_matmuls_stay_in_tvm():
     assert not _calls_sgemm(blas.MatmulToBLAS(min_macs=0)(broadcast).script())
 
 
+
+@pytest.mark.skipif(blas.library_path() is None, reason="no OpenBLAS wheel")
+def test_a_module_without_products_is_returned_as_it_is():
+    """No matmul: none of the rewrites walks the functions (or eliminates dead code after
+    them): the module is returned as it is (a 10,000-binding chain's compile spent 6 s here)."""
+    x = relax.Var("x", relax.TensorType((64, 64), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(op.sum(op.multiply(op.tanh(x), x)))
+        bb.emit_func_output(out)
+    mod = relaxgrad.Gradient("main")(bb.get())
+    assert blas.MatmulToBLAS(min_macs=0)(mod).same_as(mod)
+    products = _module((64, 64), (64, 64), False, False)
+    assert _calls_sgemm(blas.MatmulToBLAS(min_macs=0)(products).script())
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_split_over_threads(monkeypatch, threads):
     """Rows, columns (a result wider than tall), batches or, for a small result of a long k
