@@ -84,7 +84,7 @@ def adjoints(case: Case, inputs, seed: int = 0) -> list[np.ndarray]:
     if wrt is None:
         wrt = [i for i, d in enumerate(case.dtypes()) if d.startswith("float")]
     mod = relaxgrad.Gradient("main", [params[i] for i in wrt])(mod)
-    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, target=FAST_LLVM), tvm.cpu())
     _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(np.asarray(a)) for a in inputs])
     return [g.numpy() for g in grads]
 

@@ -154,7 +154,7 @@ def test_numeric(case):
 
 
 def _compile(mod):
-    return relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target(FAST_LLVM)), tvm.cpu())
+    return relax.VirtualMachine(tvm.compile(mod, target=FAST_LLVM), tvm.cpu())
 
 
 def test_no_grad_stops_the_gradient():

@@ -11,7 +11,7 @@ from tvm import relax, te
 import relaxgrad
 from relaxgrad import GradientError
 from relaxgrad.ops import random
-from relaxgrad.testing import assert_gradients_close
+from relaxgrad.testing import FAST_LLVM, assert_gradients_close
 from relaxgrad.transforms import policies
 
 # Random123's kat_vectors: counter (4 words), key (2 words) -> output (4 words)
@@ -121,7 +121,7 @@ def _gradient(mod, wrt, **kwargs):
 
 
 def _adjoint_grads(mod, inputs):
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
     out, grads = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in inputs))
     return [out[1].numpy(), out[2].numpy()], [g.numpy() for g in grads]
 
@@ -164,7 +164,7 @@ def test_split_mode_saves_the_key_not_the_masks(reference, checkpoint):
     residuals = relaxgrad.split_info(split).residuals
     assert "key" in [r.name for r in residuals]
     assert all(r.dtype != "bool" for r in residuals)
-    vm = relax.VirtualMachine(tvm.compile(split, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(split, FAST_LLVM), tvm.cpu())
     out, saved = vm["main_fwd"](*(tvm.runtime.tensor(a) for a in _inputs()))
     grads = vm["main_bwd"](*list(saved))
     for ours, expected in zip(grads, reference[1]):
@@ -224,7 +224,7 @@ def test_key_dropout_lowers_relax_dropout_to_keyed_masks():
     assert [p.name for p in mod["main"].params] == ["x", "w", "dropout_key"]
     assert len(before.get_global_vars()) == 1 and len(before["main"].params) == 2  # untouched
     grad = relaxgrad.Gradient("main", list(mod["main"].params[:2]), target_index=0)(mod)
-    vm = relax.VirtualMachine(tvm.compile(grad, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(grad, FAST_LLVM), tvm.cpu())
     x, w, key = _inputs()
     (_, mask), (gx, gw) = vm["main_adjoint"](*(tvm.runtime.tensor(a) for a in (x, w, key)))
     mask = mask.numpy()
