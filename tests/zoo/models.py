@@ -36,6 +36,9 @@ PyTorch's included, depends on which of the nearly equal features rounding flips
 float32 LeViT features differ from float64's by 4.0).
 """
 
+import functools
+
+import numpy as np
 import torch
 import transformers as tf
 
@@ -318,3 +321,15 @@ ZOO = {
         attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
         decoder_layerdrop=0.0, classifier_proj_size=16, num_labels=CLASSES), _features(8, 32)),
 }
+
+
+@functools.cache
+def imported(name: str):
+    """``(module, inputs, target, model)``: :data:`ZOO`'s ``name`` built from seed 0 and its
+    ``from_torch`` import, once per process (the zoo's tests and the mixed-precision ones of a
+    model share it: one xdist group). Neither is changed by the tests: the Trainers copy the
+    weights, and PyTorch's side trains copies of the module."""
+    from relaxgrad.training import from_torch
+
+    module, inputs, target = ZOO[name](np.random.default_rng(0))
+    return module, inputs, target, from_torch(module, inputs)

@@ -33,9 +33,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from relaxgrad.analysis import count_bindings  # noqa: E402
-from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch  # noqa: E402
+from relaxgrad.training import SGD, CrossEntropyLoss, Trainer  # noqa: E402
 
-from .models import PADDED, SDPA, ZOO  # noqa: E402
+from .models import PADDED, SDPA, ZOO, imported  # noqa: E402
 
 SLACK, RTOL = 2.0, 1e-7
 STEPS, LR = 3, 0.5
@@ -75,12 +75,11 @@ class Case:
 
     def __init__(self, name):
         self.name = name
-        self.module, inputs, y = ZOO[name](np.random.default_rng(0))
+        self.module, inputs, y, self.model = imported(name)
         self.inputs, self.y = inputs, torch.from_numpy(y)
         self.x = tuple(t.numpy() for t in inputs)
         attention = self.module.model.config._attn_implementation
         assert attention == ("sdpa" if name in SDPA else "eager")
-        self.model = from_torch(self.module, inputs)
         self.trainer = Trainer.for_model(self.model, CrossEntropyLoss(), SGD(LR))
 
     def torch_copy(self, dtype=torch.float32):

@@ -19,9 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from relaxgrad.training import SGD, CrossEntropyLoss, Trainer, from_torch  # noqa: E402
+from relaxgrad.training import SGD, CrossEntropyLoss, Trainer  # noqa: E402
 
-from .models import ZOO  # noqa: E402
+from .models import imported  # noqa: E402
 
 SLACK, RTOL = 2.0, 1e-3
 MODELS = ["qwen2", "bloom", "mixtral", "bert", "vit", "resnet", "regnet"]
@@ -39,13 +39,13 @@ def _torch_gradients(module, inputs, y, dtype, autocast):
 
 
 @pytest.mark.filterwarnings("ignore:Trainer. precision='bf16' on a CPU without")
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"bf16-{n}"))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(n))
                                   for n in MODELS])  # fmt: skip
 def test_bf16_first_gradients_are_as_close_as_autocasts(name):
-    module, inputs, y = ZOO[name](np.random.default_rng(0))
-    y = torch.from_numpy(y)
+    """(In the zoo's xdist group of the model: one import of it, :func:`imported`.)"""
     start = time.perf_counter()
-    model = from_torch(module, inputs)
+    module, inputs, y, model = imported(name)
+    y = torch.from_numpy(y)
     trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1), precision="bf16",
                                 cache=False)
     assert time.perf_counter() - start < COMPILE_LIMIT
