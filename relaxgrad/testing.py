@@ -33,8 +33,9 @@ __all__ = [
 
 FAST_LLVM = tvm.target.Target({"kind": "llvm", "opt-level": 0})
 """A target for builds that only evaluate a program (a gradient to check, a peer's values):
-LLVM without its optimizations, which write most of a small program's build time (a small
-transformer's adjoint by ``tvm.compile``: 4x faster to build and load). ``relaxgrad.compile``'s
+LLVM without its optimizations, which take most of a small program's build time (a 4-block
+transformer's adjoint by ``tvm.compile``: built and loaded in 3.3 s instead of 8.8 on an AVX2
+AMD EPYC). ``relaxgrad.compile``'s
 own schedules are checked at the default level, as users build them."""
 
 TVM_CODEGEN_NOISE = ("Unknown pragma pragma_scope", "Detected pow(x, y) where y >= 3")
