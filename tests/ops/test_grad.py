@@ -12,9 +12,9 @@ from tvm.relax.op import grad as G
 
 import relaxgrad
 from relaxgrad import GradientError
-from relaxgrad.testing import check_gradients
+from relaxgrad.testing import FAST_LLVM, check_gradients
 
-from ._spec import FAST_LLVM, Case, ids, run_case
+from ._spec import Case, ids, run_case
 
 F64, I64 = "float64", "int64"
 

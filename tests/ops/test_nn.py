@@ -6,8 +6,9 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad import GradientError
+from relaxgrad.testing import FAST_LLVM
 
-from ._spec import FAST_LLVM, Case, ids, run_case
+from ._spec import Case, ids, run_case
 
 
 def _probs(rng):

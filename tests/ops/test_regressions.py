@@ -12,9 +12,9 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.ops._utils import fit_shape
-from relaxgrad.testing import assert_gradients_close, check_gradients, loss_module
+from relaxgrad.testing import FAST_LLVM, assert_gradients_close, check_gradients, loss_module
 
-from ._spec import FAST_LLVM, Case, adjoints, ids, run_case
+from ._spec import Case, adjoints, ids, run_case
 
 
 def _with_indices(x_shape, indices, *, high=None):

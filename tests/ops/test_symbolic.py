@@ -14,10 +14,8 @@ from tvm.script import relax as R
 
 import relaxgrad
 from relaxgrad import GradientError, _ty
-from relaxgrad.testing import _default_tolerance
+from relaxgrad.testing import FAST_LLVM, _default_tolerance
 from relaxgrad.transforms import LowerCallTIRWithGrad
-
-from ._spec import FAST_LLVM
 
 N = tirx.Var("n", "int64")
 SIZES = (1, 3)
@@ -86,7 +84,7 @@ def check_at_sizes(mod, wrt, input_sets, *, eps=None, tol=None, seed=0, executab
     ``executable``, built from ``gradient_module(mod, wrt)``), and compare the adjoint on each
     list of numpy inputs of ``input_sets`` with central finite differences of the forward."""
     if executable is None:
-        executable = tvm.compile(gradient_module(mod, wrt), target=tvm.target.Target(FAST_LLVM))
+        executable = tvm.compile(gradient_module(mod, wrt), target=FAST_LLVM)
     vm = relax.VirtualMachine(executable, tvm.cpu())
     rng = np.random.default_rng(seed)
 

@@ -35,7 +35,6 @@ from tvm.relax import op
 from relaxgrad import testing
 
 F64 = "float64"
-FAST_LLVM = testing.FAST_LLVM
 
 # Bugs other engineers are fixing now: the generator avoids them unless asked not to. (Fixed
 # since, so generated again: 1-D matmul operands under the simplifier, gather_elements with
@@ -1411,7 +1410,7 @@ def check_compiled(prog: Program, min_rows: int | None = None) -> Outcome:
     return Outcome("ok", "", "", script)
 
 
-def check_program(prog: Program, *, peer: bool = True, target=FAST_LLVM) -> Outcome:
+def check_program(prog: Program, *, peer: bool = True, target=testing.FAST_LLVM) -> Outcome:
     """Differentiate, compile, run and compare one program (see the module docstring)."""
     import relaxgrad
 
