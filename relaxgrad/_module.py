@@ -7,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.ir import IRModule
 
-__all__ = ["with_function", "with_functions"]
+__all__ = ["reachable", "with_function", "with_functions"]
 
 
 def with_function(mod: IRModule, name: str, func) -> IRModule:
@@ -34,3 +34,21 @@ def with_functions(mod: IRModule, updates: dict) -> IRModule:
     for gvar, func in updates.items():
         mod[gvar] = func
     return mod
+
+
+def reachable(mod: IRModule, names) -> IRModule:
+    """``mod`` with the Relax functions named in ``names`` and the functions they call (Relax
+    functions and PrimFuncs, directly or through others) only; ``mod`` itself is left as it
+    was. Raises ``KeyError`` for a name ``mod`` has no function of."""
+    todo = [mod.get_global_var(name) for name in names]
+    kept: dict = {}
+    while todo:
+        gvar = todo.pop()
+        if gvar in kept:
+            continue
+        kept[gvar] = mod[gvar]
+        if isinstance(kept[gvar], relax.Function):
+            todo.extend(gv for gv in relax.analysis.all_global_vars(kept[gvar])
+                        if gv not in kept and gv in mod.get_global_vars())  # fmt: skip
+    return IRModule({gv: kept[gv] for gv in mod.get_global_vars() if gv in kept},
+                    attrs=mod.attrs)

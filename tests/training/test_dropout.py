@@ -3,6 +3,7 @@ PyTorch's with the same masks), a fresh key per step and micro-batch, reproducib
 and across save/load; eval mode drops nothing; other random ops are refused by name; Hugging
 Face models with their default dropout train."""
 
+import copy
 import warnings
 
 import numpy as np
@@ -82,6 +83,20 @@ def test_from_torch_adds_a_key_to_the_train_function_only(setup):
     assert model.key == "dropout_key"
     assert model.mod[model.func_name].params[-1].name == "dropout_key"
     assert "dropout_key" not in [p.name for p in model.mod[model.eval_func].params]
+
+
+def test_the_trainer_compiles_only_the_functions_it_calls(setup):
+    net, model, trainer, x, _ = setup
+    assert {gv.name_hint for gv in trainer.mod.get_global_vars()} >= {"main", "main_loss"}
+    assert model.eval_func == "main_eval"
+    for unused in ("main", "main_loss"):  # the train-mode forward and the loss the adjoint has
+        with pytest.raises(AttributeError, match=f"no function '{unused}'"):
+            trainer.vm[unused]
+    served = copy.deepcopy(net).eval()  # what it serves: predictions in eval mode
+    served.load_state_dict(trainer.state_dict())
+    with torch.no_grad():
+        expected = served(torch.from_numpy(x[:4])).numpy()
+    np.testing.assert_allclose(trainer.predict(x[:4]), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_equal_pytorch_with_the_same_masks(setup, our_masks):
