@@ -14,13 +14,16 @@ module would stay alive with it; see :func:`reloaded`). An entry is the library 
 The folder is ``$RELAXGRAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/relaxgrad``, else
 ``~/.cache/relaxgrad``; ``RELAXGRAD_CACHE=0`` turns the cache off everywhere. Entries are
 written to a temporary file and renamed, so concurrent processes never load half a library.
-A compile under pass instruments (which expect the passes to run) is never cached. Delete the
-folder to empty the cache (:func:`clear`).
+Processes compiling the same module for the same target at once (the ranks of a data-parallel
+run on one machine) build it once: the others wait for the entry and load it. A compile under
+pass instruments (which expect the passes to run) is never cached. Delete the folder to empty
+the cache (:func:`clear`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import logging
@@ -88,13 +91,16 @@ def cached(mod: IRModule, target: Target, build: Callable[[], relax.VMExecutable
         return build()
     path = cache_dir() / f"{_key(mod, target, context)}.so"
     load = load or (lambda file: relax.VMExecutable(tvm.runtime.load_module(file)))
-    if path.exists():
-        try:
-            return load(str(path))
-        except Exception as err:  # noqa: BLE001 (a broken entry is built again)
-            _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)
-    executable = build()
-    _store(executable, path)
+    present = path.exists()
+    if present and (loaded := _entry(path, load)) is not None:
+        return loaded
+    with _building(path):
+        # built by another process (or thread) while this one waited (an entry found broken
+        # above is built again)
+        if not present and path.exists() and (loaded := _entry(path, load)) is not None:
+            return loaded
+        executable = build()
+        _store(executable, path)
     if not path.exists():
         return executable
     # a private copy of the stored library, loaded, rather than the build (see reloaded())
@@ -123,6 +129,38 @@ def reloaded(executable, load: Callable[[str], relax.VMExecutable],
     except Exception as err:  # noqa: BLE001 (the build serves as well)
         _log.warning("relaxgrad: cannot reload the executable from %s (%s)", path, err)
         return executable
+
+
+def _entry(path: Path, load: Callable[[str], relax.VMExecutable]):
+    """The executable of the entry ``path``, or None (with a warning) if it cannot be loaded."""
+    try:
+        return load(str(path))
+    except Exception as err:  # noqa: BLE001 (a broken entry is built again)
+        _log.warning("relaxgrad cache: cannot load %s (%s); building again", path, err)
+        return None
+
+
+@contextlib.contextmanager
+def _building(path: Path):
+    """Held while the entry ``path`` is built: a process (or thread) about to build the same
+    module for the same target waits, then loads the entry instead of building it again, as
+    the ranks of a data-parallel run on one machine would all at once. An advisory ``flock``
+    on ``<entry>.lock`` (the kernel lets it go if the process dies); nothing is held where
+    ``fcntl`` is missing (Windows) or the folder cannot be written."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # and with it the lock
 
 
 @functools.cache

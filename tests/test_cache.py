@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -61,9 +62,11 @@ def test_second_compile_is_loaded_and_computes_the_same(cache_dir, counted):
     np.testing.assert_array_equal(_run(first, model), _run(second, model))
 
 
-def test_another_process_loads_the_entry(cache_dir):
+def test_another_process_loads_the_entry_even_while_it_is_built(cache_dir, tmp_path):
+    # as the ranks of a data-parallel run on one machine, compiling the same step at once: the
+    # second process waits for the first's entry (a lock beside it) and loads it
     script = textwrap.dedent("""
-        import sys
+        import os, sys, time
         import relaxgrad
         from relaxgrad import pipeline
         from relaxgrad.training import SGD, CrossEntropyLoss, mlp
@@ -71,18 +74,38 @@ def test_another_process_loads_the_entry(cache_dir):
         model = mlp(4, hidden=(8,), seed=1)
         mod = training_module(model.mod, list(model.params), CrossEntropyLoss(), SGD(0.1),
                               "main")
-        if sys.argv[1] == "load":
-            def refuse(*args):
+        real = pipeline._compile
+        building, asking = sys.argv[2], sys.argv[2] + ".asking"
+        def build(*args):
+            if sys.argv[1] == "load":
                 raise SystemExit("built again")
-            pipeline._compile = refuse
+            open(building, "w").close()
+            deadline = time.monotonic() + 120
+            while not os.path.exists(asking) and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the other process asks for the same module
+            time.sleep(0.5)
+            return real(*args)
+        pipeline._compile = build
+        if sys.argv[1] == "load":
+            open(asking, "w").close()
         relaxgrad.compile(mod, "llvm", cache=True)
         print("ok")
     """)
     env = {**os.environ, "RELAXGRAD_CACHE_DIR": str(cache_dir)}
-    for mode in ("build", "load"):
-        done = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+    building = tmp_path / "building"
+    builder = subprocess.Popen([sys.executable, "-c", script, "build", str(building)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not building.exists() and builder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert building.exists() and not list(cache_dir.glob("*.so"))
+        loader = subprocess.run([sys.executable, "-c", script, "load", str(building)], env=env,
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        out, err = builder.communicate(timeout=300)
+    assert builder.returncode == 0 and "ok" in out, err[-2000:]
+    assert loader.returncode == 0 and "ok" in loader.stdout, loader.stderr[-2000:]
 
 
 def test_module_target_and_switches_change_the_key(cache_dir, counted, monkeypatch):
