@@ -54,7 +54,7 @@ class Trainer:
 
     At construction :func:`training_module` adds the loss, its adjoint, the optimizer step and
     per-sample losses to the model's module (``self.mod``); the functions a step, a
-    prediction and an evaluation call are compiled once (:meth:`served`, ``self.vm``).
+    prediction and an evaluation call are compiled once (``self.vm``).
     Parameters and optimizer state then live on the device as tensors; a step is two calls of
     compiled code: the adjoint, then the optimizer, which also takes the step's learning rate
     and clipping norm (run-time inputs: a schedule recompiles nothing) and reports the
@@ -236,7 +236,7 @@ class Trainer:
         self.device = rank_device(pipeline.target_device(target), distributed)
         self.target = target
         _warn_without_units(precision, target)
-        self.executable = _compile(self.served(), target, cache, progress)
+        self.executable = _compile(self._served(), target, cache, progress)
         self.vm = relax.VirtualMachine(self.executable, self.device)
 
         names = [p.name for p in model[func_name].params]
@@ -470,7 +470,7 @@ class Trainer:
         """
         return export_trainer(self, folder, target)
 
-    def served(self) -> IRModule:
+    def _served(self) -> IRModule:
         """The functions of :attr:`mod` that the Trainer calls, and what they call: the loss's
         adjoint, the optimizer, the per-sample losses and the evaluation function. What it
         compiles: ``<func>_loss``, which the adjoint differentiates, and the train-mode
@@ -481,8 +481,8 @@ class Trainer:
             f"{self.func_name}_sample_loss", self.eval_func]))
 
     def compile_for(self, target) -> relax.VMExecutable:
-        """This Trainer's compiled functions (:meth:`served`), compiled for ``target``."""
-        return _compile(self.served(), target, cache=True, progress=True)
+        """This Trainer's compiled functions, built for ``target``."""
+        return _compile(self._served(), target, cache=True, progress=True)
 
     def gradients(self, inputs: Inputs, target: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         """The loss and the gradients on one minibatch, without updating anything.
