@@ -14,6 +14,7 @@ copy (0.08 ms there).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from tvm import relax, tirx
@@ -27,7 +28,15 @@ from ._common import INJECTIVE, static_shape
 def concat_func(shapes: list[list[int]], axis: int, dtype: str) -> tirx.PrimFunc:
     """The PrimFunc ``(p_0, ..., p_n, out)`` of ``concat`` along ``axis`` of parts of
     ``shapes``: a block per non-empty part (int64 shapes and indices, as TVM's legalizations
-    have, so that ``FuseTIR`` maps its buffers onto theirs)."""
+    have, so that ``FuseTIR`` maps its buffers onto theirs). Parsed once per kind: a model
+    concatenates the same shapes in every layer (a rotary embedding's halves), and parsing
+    took 0.1 s a call (4.4 s of a 24-layer Qwen2's compile)."""
+    return _concat_func(tuple(tuple(int(v) for v in shape) for shape in shapes), int(axis),
+                        str(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _concat_func(shapes: tuple, axis: int, dtype: str) -> tirx.PrimFunc:
     out_shape = list(shapes[0])
     out_shape[axis] = sum(shape[axis] for shape in shapes)
 

@@ -72,3 +72,31 @@ def test_concat_func_has_a_block_per_non_empty_part():
     script = func.script()
     assert "part0" in script and "part2" in script and "part1" not in script
     assert "if_then_else" not in script
+
+
+def test_concatenations_of_one_kind_share_one_parse_and_one_kernel():
+    # as a rotary embedding's halves in every layer: parsed once, one PrimFunc, each call
+    # concatenating its own parts
+    shapes = [(512, 384), (512, 384)]
+    params = [relax.Var(f"p{i}", relax.TensorType(s, "float32")) for i, s in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            first = bb.emit(op.concat(params, axis=1))
+            second = bb.emit(op.concat([op.negative(params[1]), params[0]], axis=1))
+            result = bb.emit_output(op.add(first, second))
+        bb.emit_func_output(result)
+    mod = bb.get()
+    concat._concat_func.cache_clear()
+    legalized = relaxgrad.pipeline.LegalizeOpsOnce(
+        {"relax.concat": concat.legalize_concat})(mod)
+    assert concat._concat_func.cache_info().misses == 1
+    kernels = [gv.name_hint for gv, f in legalized.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.startswith("concatenate")]
+    assert kernels == ["concatenate"]
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype("float32") for s in shapes)
+    got = relax.VirtualMachine(relaxgrad.compile(mod), tvm.cpu())["main"](
+        tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
+    np.testing.assert_allclose(got, np.concatenate([a, b], 1) + np.concatenate([-b, a], 1),
+                               rtol=1e-6)
