@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from collections import OrderedDict
 from collections.abc import Callable
 
 import tvm
@@ -50,12 +51,36 @@ def parsed_script(template: Callable, values: dict) -> tirx.PrimFunc:
         body = textwrap.dedent(source[source.index("    @T.prim_func"):])
         _SCRIPTS[template] = "@T.prim_func" + body[body.index("\n"):]
     names = inspect.signature(template).parameters
+    try:  # the same values give the same PrimFunc (each gemm of a shape in every layer)
+        key = (template, tuple((name, _frozen(values[name])) for name in names))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _PARSED:
+        _PARSED.move_to_end(key)
+        return _PARSED[key]
     extra = {**template.__globals__, **{name: values[name] for name in names}}
     func = parse(_SCRIPTS[template], extra_vars=extra, check_well_formed=False)
-    return func.without_attr("global_symbol")
+    func = func.without_attr("global_symbol")
+    if key is not None:
+        _PARSED[key] = func
+        if len(_PARSED) > _PARSED_FUNCS:
+            _PARSED.popitem(last=False)
+    return func
+
+
+def _frozen(value):
+    """``value`` as part of a key of :data:`_PARSED`: its lists as tuples, each value with its
+    type (``1``, ``1.0`` and ``True`` are equal in Python, not in a script)."""
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return type(value), value
 
 
 _SCRIPTS: dict = {}
+_PARSED: OrderedDict = OrderedDict()
+"""(template, values) -> the PrimFunc :func:`parsed_script` parsed, least recently used first."""
+_PARSED_FUNCS = 512
 
 
 def is_gpu(target: Target) -> bool:

@@ -9,11 +9,12 @@ import itertools
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax import op
 
 import relaxgrad
-from relaxgrad.schedules import blas
+from relaxgrad.schedules import _common, blas
 
 pytestmark = pytest.mark.skipif(not blas.available(), reason="no OpenBLAS sgemm found")
 
@@ -62,6 +63,21 @@ def test_matmul_matches_numpy(a_shape, b_shape, trans_a, trans_b):
     lhs = np.swapaxes(a, -1, -2) if trans_a else a
     rhs = np.swapaxes(b, -1, -2) if trans_b else b
     np.testing.assert_allclose(got, lhs @ rhs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemm_of_one_kind_is_parsed_once(monkeypatch):
+    # every layer of a model multiplies the same shapes: one parse of the script per kind
+    parses = []
+    real = _common.parse
+    monkeypatch.setattr(_common, "parse", lambda *a, **k: parses.append(1) or real(*a, **k))
+    monkeypatch.setattr(_common, "_PARSED", type(_common._PARSED)())
+    first = blas.gemm_func([512, 896], [896, 896], [512, 896], False, True, threads=2)
+    again = blas.gemm_func([512, 896], [896, 896], [512, 896], False, True, threads=2)
+    assert len(parses) == 1 and tvm_ffi.structural_equal(again, first)
+    other = blas.gemm_func([512, 896], [896, 896], [512, 896], False, False, threads=2)
+    assert len(parses) == 2 and not tvm_ffi.structural_equal(other, first)
+    # values equal in Python but not in a script are other kinds
+    assert len({_common._frozen(v) for v in ([1, 2], (1, 2), [True, 2], [1.0, 2])}) == 3
 
 
 def test_default_permutation_is_a_transpose():
@@ -577,6 +593,7 @@ _RUNTIME_ONLY = """
 import sys
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 vm = VirtualMachine(tvm.runtime.load_module(sys.argv[1]), tvm.cpu())
 a, b = np.load(sys.argv[2]).values()
