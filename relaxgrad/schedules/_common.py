@@ -51,16 +51,24 @@ def parsed_script(template: Callable, values: dict) -> tirx.PrimFunc:
         body = textwrap.dedent(source[source.index("    @T.prim_func"):])
         _SCRIPTS[template] = "@T.prim_func" + body[body.index("\n"):]
     names = inspect.signature(template).parameters
-    try:  # the same values give the same PrimFunc (each gemm of a shape in every layer)
-        key = (template, tuple((name, _frozen(values[name])) for name in names))
+    values = {name: values[name] for name in names}
+    return parsed_text(_SCRIPTS[template], values, template.__globals__)
+
+
+def parsed_text(script: str, values: dict, scope: dict | None = None) -> tirx.PrimFunc:
+    """The PrimFunc of the TVMScript text ``script`` (one ``@T.prim_func``, without its
+    ``global_symbol``) with ``values`` and the names of ``scope`` as its variables; parsed
+    once per script and values (the same values give the same PrimFunc: a kernel of one kind
+    built again, in another layer or another compile of the process, shares the parse)."""
+    try:
+        key = (script, id(scope), tuple((name, _frozen(v)) for name, v in values.items()))
         hash(key)
     except TypeError:
         key = None
     if key is not None and key in _PARSED:
         _PARSED.move_to_end(key)
         return _PARSED[key]
-    extra = {**template.__globals__, **{name: values[name] for name in names}}
-    func = parse(_SCRIPTS[template], extra_vars=extra, check_well_formed=False)
+    func = parse(script, extra_vars={**(scope or {}), **values}, check_well_formed=False)
     func = func.without_attr("global_symbol")
     if key is not None:
         _PARSED[key] = func
@@ -79,7 +87,8 @@ def _frozen(value):
 
 _SCRIPTS: dict = {}
 _PARSED: OrderedDict = OrderedDict()
-"""(template, values) -> the PrimFunc :func:`parsed_script` parsed, least recently used first."""
+"""(script, scope, values) -> the PrimFunc :func:`parsed_text` parsed, least recently used
+first."""
 _PARSED_FUNCS = 512
 
 

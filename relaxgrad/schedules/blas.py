@@ -45,7 +45,6 @@ from tvm import relax, tirx
 from tvm.ir import IRModule, Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import tirx as T
-from tvm.script.parser.core.entry import parse
 
 from .. import _ty
 from ._common import (
@@ -55,6 +54,7 @@ from ._common import (
     is_op,
     may_change,
     parsed_script,
+    parsed_text,
     read_counts,
     rebind,
     rewrite_functions,
@@ -450,12 +450,12 @@ def _task_loop(tasks: int, parallel: bool = True) -> list[str]:
 
 def _parsed_tasks(lines: list[str], extra: dict) -> tirx.PrimFunc:
     """The PrimFunc of a generated gemm's ``lines``, its task loop (:func:`_task_loop`)
-    closed."""
+    closed; parsed once per text and values (every layer's attention heads are one kind)."""
     lines = lines + (["        T.evaluate(_mxcsr('ldmxcsr', csr, 1))"] if FLUSH_DENORMALS else [])
     extra = {**extra, "T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "OPAQUE": OPAQUE,
              "SGEMM": SGEMM}  # fmt: skip
-    func = parse("\n".join(lines) + "\n", extra_vars=extra, check_well_formed=False)
-    return calling(func.without_attr("global_symbol"), SGEMM)
+    func = parsed_text("\n".join(lines) + "\n", extra)
+    return calling(func, SGEMM)
 
 
 def _part_gemm(a, b, out, task, symbol, step, m, n, k, lda, offset, trans_b, first):

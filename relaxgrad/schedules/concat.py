@@ -14,15 +14,13 @@ copy (0.08 ms there).
 
 from __future__ import annotations
 
-import functools
 import math
 
 from tvm import relax, tirx
 from tvm.ir import Op
 from tvm.script import tirx as T
-from tvm.script.parser.core.entry import parse
 
-from ._common import INJECTIVE, static_shape
+from ._common import INJECTIVE, parsed_text, static_shape
 
 
 def concat_func(shapes: list[list[int]], axis: int, dtype: str) -> tirx.PrimFunc:
@@ -31,12 +29,6 @@ def concat_func(shapes: list[list[int]], axis: int, dtype: str) -> tirx.PrimFunc
     have, so that ``FuseTIR`` maps its buffers onto theirs). Parsed once per kind: a model
     concatenates the same shapes in every layer (a rotary embedding's halves), and parsing
     took 0.1 s a call (4.4 s of a 24-layer Qwen2's compile)."""
-    return _concat_func(tuple(tuple(int(v) for v in shape) for shape in shapes), int(axis),
-                        str(dtype))
-
-
-@functools.lru_cache(maxsize=256)
-def _concat_func(shapes: tuple, axis: int, dtype: str) -> tirx.PrimFunc:
     out_shape = list(shapes[0])
     out_shape[axis] = sum(shape[axis] for shape in shapes)
 
@@ -65,8 +57,7 @@ def _concat_func(shapes: tuple, axis: int, dtype: str) -> tirx.PrimFunc:
             ]
         offset += shape[axis]
     extra = {"T": T, "INJECTIVE": INJECTIVE}
-    func = parse("\n".join(lines) + "\n", extra_vars=extra, check_well_formed=False)
-    return func.without_attr("global_symbol")
+    return parsed_text("\n".join(lines) + "\n", extra)
 
 
 _MIN_ELEMENTS = 1 << 18  # results from which the copies pay for their PrimFunc's parsing
