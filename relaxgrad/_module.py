@@ -41,7 +41,7 @@ def reachable(mod: IRModule, names) -> IRModule:
     functions and PrimFuncs, directly or through others) only; ``mod`` itself is left as it
     was. Raises ``KeyError`` for a name ``mod`` has no function of."""
     todo = [mod.get_global_var(name) for name in names]
-    kept: dict = {}
+    present, kept = set(mod.get_global_vars()), {}
     while todo:
         gvar = todo.pop()
         if gvar in kept:
@@ -49,6 +49,6 @@ def reachable(mod: IRModule, names) -> IRModule:
         kept[gvar] = mod[gvar]
         if isinstance(kept[gvar], relax.Function):
             todo.extend(gv for gv in relax.analysis.all_global_vars(kept[gvar])
-                        if gv not in kept and gv in mod.get_global_vars())  # fmt: skip
+                        if gv not in kept and gv in present)  # fmt: skip
     return IRModule({gv: kept[gv] for gv in mod.get_global_vars() if gv in kept},
                     attrs=mod.attrs)

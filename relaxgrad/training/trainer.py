@@ -471,11 +471,11 @@ class Trainer:
         return export_trainer(self, folder, target)
 
     def _served(self) -> IRModule:
-        """The functions of :attr:`mod` that the Trainer calls, and what they call: the loss's
-        adjoint, the optimizer, the per-sample losses and the evaluation function. What it
-        compiles: ``<func>_loss``, which the adjoint differentiates, and the train-mode
-        ``<func>``, where an eval-mode function serves the predictions, stay in :attr:`mod`
-        but are not built (LeViT's step: 8% of its compile)."""
+        """The module the Trainer compiles: the functions of :attr:`mod` it calls (the loss's
+        adjoint, the optimizer, the per-sample losses and the evaluation function) and what
+        they call. ``<func>_loss``, which the adjoint differentiates, and the train-mode
+        ``<func>`` beside an eval-mode function stay in :attr:`mod` unbuilt (LeViT's step: 8%
+        of its compile)."""
         return reachable(self.mod, dict.fromkeys([
             f"{self.func_name}_loss_adjoint", f"{self.func_name}_optimizer",
             f"{self.func_name}_sample_loss", self.eval_func]))
