@@ -454,8 +454,7 @@ def _parsed_tasks(lines: list[str], extra: dict) -> tirx.PrimFunc:
     lines = lines + (["        T.evaluate(_mxcsr('ldmxcsr', csr, 1))"] if FLUSH_DENORMALS else [])
     extra = {**extra, "T": T, "_mxcsr": _mxcsr, "_FTZ_DAZ": _FTZ_DAZ, "OPAQUE": OPAQUE,
              "SGEMM": SGEMM}  # fmt: skip
-    func = parsed_text("\n".join(lines) + "\n", extra)
-    return calling(func, SGEMM)
+    return calling(parsed_text("\n".join(lines) + "\n", extra), SGEMM)
 
 
 def _part_gemm(a, b, out, task, symbol, step, m, n, k, lda, offset, trans_b, first):

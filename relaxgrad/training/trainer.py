@@ -476,9 +476,8 @@ class Trainer:
         they call. ``<func>_loss``, which the adjoint differentiates, and the train-mode
         ``<func>`` beside an eval-mode function stay in :attr:`mod` unbuilt (LeViT's step: 8%
         of its compile)."""
-        return reachable(self.mod, dict.fromkeys([
-            f"{self.func_name}_loss_adjoint", f"{self.func_name}_optimizer",
-            f"{self.func_name}_sample_loss", self.eval_func]))
+        return reachable(self.mod, [f"{self.func_name}_loss_adjoint", f"{self.func_name}_optimizer",
+                                    f"{self.func_name}_sample_loss", self.eval_func])
 
     def compile_for(self, target) -> relax.VMExecutable:
         """This Trainer's compiled functions, built for ``target``."""
