@@ -38,10 +38,13 @@ def test_a_kernel_fused_across_the_backward_pass_keeps_the_weight_gradients_in_p
     and the add fuse. FuseOps alone then emitted the whole backward pass before every other
     weight gradient, each keeping the gradient it reads alive (GPT-2 small's bf16 step: 504
     MiB). In order, the packed workspace is smaller, the results are the same bits, and the
-    gradients as far from PyTorch's float64 ones as autocast's are."""
+    gradients as far from PyTorch's float64 ones as autocast's are. The products run as sgemm of
+    their operands' float32 conversions, as on a CPU without bf16 units, whatever this one has
+    (oneDNN reads the bf16 gradients themselves: no conversion to keep alive)."""
     from relaxgrad import pipeline
     from relaxgrad.transforms.plan_memory import PackBlockMemory
 
+    monkeypatch.setenv("RELAXGRAD_BF16_GEMM", "float32")
     mod = relaxgrad.Gradient("main")(MixedPrecision("bf16")(_tied_mlp()))
     rng = np.random.default_rng(0)
     values = [0.06 * rng.standard_normal([int(d) for d in p.ty.shape])
