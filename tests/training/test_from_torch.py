@@ -401,3 +401,51 @@ def test_arange_with_a_negative_step_has_torchs_length():
     with torch.no_grad():
         expected = net(x).numpy()
     np.testing.assert_allclose(trainer.predict(x.numpy()), expected, rtol=1e-5, atol=1e-5)
+
+
+class GatedMLP(nn.Module):
+    """A Llama or Qwen2 MLP, ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(12, 48), nn.Linear(12, 48), nn.Linear(48, 5)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _relative(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_silu_is_imported_whole_with_pytorchs_gradients():
+    """Core ATen writes SiLU ``x * sigmoid(x)``; from_torch keeps ``relax.nn.silu``, so that mixed
+    precision rounds its result once, as autocast's ``silu`` does, and no sigmoid is held for
+    the backward pass. Its gradients are PyTorch's float64 ones, in float32 to float32's
+    precision and in bf16 as close as autocast's."""
+    torch.manual_seed(0)
+    net = GatedMLP()
+    rng = np.random.default_rng(0)
+    x, y = 2 * rng.standard_normal((32, 12)).astype("float32"), rng.integers(0, 5, 32)
+    model = from_torch(net, (torch.from_numpy(x),))
+    text = model.mod["main"].script()
+    assert "R.nn.silu" in text and "R.sigmoid" not in text
+
+    def torch_grads(dtype, autocast: bool):
+        twin = GatedMLP().to(dtype)
+        twin.load_state_dict(net.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = twin(torch.from_numpy(x).to(dtype))
+        nn.functional.cross_entropy(logits.to(dtype), torch.from_numpy(y)).backward()
+        return {k: p.grad.double().numpy() for k, p in twin.named_parameters()}
+
+    exact, autocast = torch_grads(torch.float64, False), torch_grads(torch.float32, True)
+    for precision in ("fp32", "bf16"):
+        trainer = Trainer.for_model(model, CrossEntropyLoss(), SGD(0.1), precision=precision)
+        _, grads = trainer.gradients(x, y)
+        for name, want in exact.items():
+            if precision == "fp32":
+                np.testing.assert_allclose(grads[name], want, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                           err_msg=name)
+            else:
+                assert _relative(grads[name], want) <= 2 * _relative(autocast[name], want), name
