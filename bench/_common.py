@@ -59,6 +59,20 @@ def torch_adam_step(net, x: torch.Tensor, target: torch.Tensor, parameters=None,
     return step
 
 
+def loss_function(trainer):
+    """The Trainer's ``<func>_loss`` (the forward pass and loss its adjoint differentiates),
+    compiled alone for the Trainer's target and device: the Trainer builds only the functions
+    it calls."""
+    import tvm
+
+    import relaxgrad
+    from relaxgrad._module import reachable
+
+    name = f"{trainer.func_name}_loss"
+    built = relaxgrad.compile(reachable(trainer.mod, [name]), trainer.target, cache=False)
+    return tvm.relax.VirtualMachine(built, trainer.device)[name]
+
+
 def adjoint_over_forward(forward, adjoint, args, rounds: int) -> float:
     """The median time of ``adjoint(*args)`` over that of ``forward(*args)``, the two called in
     turn ``rounds`` times, so that load from other processes falls on both alike."""

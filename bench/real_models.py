@@ -194,11 +194,10 @@ def relaxgrad_trainer(module, x):
 def relaxgrad_adjoint_over_forward(trainer, inputs, y) -> float:
     """The loss's adjoint time over the loss's alone (the forward) on the step's batch, one
     call of each in turn per round, 5 rounds."""
-    from _common import adjoint_over_forward
+    from _common import adjoint_over_forward, loss_function
 
     args = trainer.adjoint_args(inputs, y)
-    name = trainer.func_name
-    forward, adjoint = trainer.vm[f"{name}_loss"], trainer.vm[f"{name}_loss_adjoint"]
+    forward, adjoint = loss_function(trainer), trainer.vm[f"{trainer.func_name}_loss_adjoint"]
     forward(*args)
     return adjoint_over_forward(forward, adjoint, args, rounds=5)
 

@@ -56,7 +56,7 @@ os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)  # read when TVM's thread pool
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from _common import adjoint_over_forward, fmt, spread, torch_adam_step  # noqa: E402
+from _common import adjoint_over_forward, fmt, loss_function, spread, torch_adam_step  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax import op  # noqa: E402
 
@@ -281,7 +281,7 @@ def main() -> None:
         if not np.isclose(our_loss, their_loss, rtol=5e-2, atol=5e-3):
             print(f"  WARNING: losses differ after training: {our_loss} vs {their_loss}")
         args = trainer._args(x) + [trainer._to_device(y, trainer._target, "target")]
-        adj = adjoint_ratio(trainer.vm["main_loss"], trainer.vm["main_loss_adjoint"], args)
+        adj = adjoint_ratio(loss_function(trainer), trainer.vm["main_loss_adjoint"], args)
         print(f"{label:<34} {fmt(ours):>20} {fmt(their_times):>20} {fmt(ratio, 1):>17} "
               f"{fmt(adj, 1):>17}", flush=True)  # fmt: skip
 
