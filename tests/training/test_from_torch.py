@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 
 from .lora_worker import Logits  # noqa: E402 (a causal LM's logits, one row per token)
+from .test_precision import _distance  # noqa: E402 (relative distance of two gradients)
 
 BATCH = 8
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
@@ -414,10 +415,6 @@ class GatedMLP(nn.Module):
         return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
 
 
-def _relative(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def test_silu_is_imported_whole_with_pytorchs_gradients():
     """Core ATen writes SiLU ``x * sigmoid(x)``; from_torch keeps ``relax.nn.silu``, so that mixed
     precision rounds its result once, as autocast's ``silu`` does, and no sigmoid is held for
@@ -448,4 +445,4 @@ def test_silu_is_imported_whole_with_pytorchs_gradients():
                 np.testing.assert_allclose(grads[name], want, rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                            err_msg=name)
             else:
-                assert _relative(grads[name], want) <= 2 * _relative(autocast[name], want), name
+                assert _distance(grads[name], want) <= 2 * _distance(autocast[name], want), name
