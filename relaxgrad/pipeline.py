@@ -385,8 +385,11 @@ def cpu_pipeline(
     :class:`WideColumnSums` and ``EliminateCommonSubexpr`` (a batch norm's statistics in its
     forward and gradient, and a convolution's im2col in its forward and weight gradient:
     computed once; a checkpoint policy's recomputations kept apart from what they recompute,
-    :class:`HoldRecomputed` before the rewrites, :class:`ReleaseRecomputed` after) before
-    legalization, then
+    :class:`HoldRecomputed` before the rewrites, :class:`ReleaseRecomputed` after) and TVM's
+    ``RemoveRedundantReshape`` (a reshape of a reshape is one reshape, and one to its input's
+    shape none: a language model's bf16 logits went ``(512, V) -> (1, 512, V) -> (512, V)``,
+    and the reshapes' blocks kept the cross-entropy's row reductions from merging into one
+    pass) before legalization, then
     TVM's CPU pipeline (relax/backend/cpu_generic/pipeline.py, with fusion) with ``schedule``
     (default ``ScheduleCPU()``) as its scheduling step after fusion (``CanonicalizeBindings``, which
     drops the gradient's aliases ``a_adjoint = b``, :class:`RemoveUnused` and
@@ -422,7 +425,8 @@ def cpu_pipeline(
     before = [HoldRecomputed(), ExactCastPairs(), RowSparseGradients(), WindowScatter(),
               NllLossGradAsMask(), IntegerPowers(), ConvToMatmul(summed), Bf16MatmulToOneDNN(),
               MatmulToBLAS(), ShareStatistics(), MeanAsSum(), WideColumnSums(),
-              relax.transform.EliminateCommonSubexpr(), ReleaseRecomputed()]  # fmt: skip
+              relax.transform.EliminateCommonSubexpr(), ReleaseRecomputed(),
+              relax.transform.RemoveRedundantReshape()]  # fmt: skip
     return _pipeline(
         schedule, before,
         [SerialVectorLoops(), FastMath(), WithoutSeqScopes(), MergeSiblingKernels()], [],

@@ -200,3 +200,27 @@ def test_too_few_rows_start_no_group(monkeypatch):
                         lambda self, prim: tried.append(1) or schedules(self, prim))
     assert "fused_rows" not in _gradient_kernels((63,), "float32") and not tried
     assert "fused_rows" in _gradient_kernels((64,), "float32") and tried
+
+
+def test_a_reshape_round_trip_leaves_the_row_reductions_one_pass():
+    """A log-softmax written out (max, sum of exponentials, log) of logits reshaped to
+    ``(1, rows, V)`` and back, as an imported language model's are: the pipeline drops the
+    round trip (TVM's ``RemoveRedundantReshape``), so the row reductions of the forward merge
+    into one kernel over the rows (the reshapes' blocks kept them apart); the gradients are
+    PyTorch's."""
+    shape = (128, 1000)
+    params = [("x", shape, "float32"), ("w", shape, "float32")]
+
+    def body(x, w):
+        y = op.reshape(op.reshape(x, (1, *shape)), shape)
+        shifted = op.subtract(y, op.max(y, axis=[-1], keepdims=True))
+        total = op.sum(op.exp(shifted), axis=[-1], keepdims=True)
+        return op.sum(op.multiply(op.subtract(shifted, op.log(total)), w))
+
+    arrays, grads, choices = _compiled_gradients(params, body, with_names=True)
+    assert not [name for name in choices if "reshape" in name]
+    assert [name for name in choices if name.startswith("fused_rows")]
+    wants = _torch_grads(lambda x, w: (torch.log_softmax(x, -1) * w).sum(),
+                         [a.astype("float64") for a in arrays])  # fmt: skip
+    for got, want in zip(grads, wants):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
