@@ -39,13 +39,14 @@ from ._common import (
 )
 from .blas import THREADS
 from .columns import _is_call_tir
-from .cpu import _cpu_blocks, _mentions, _tile, _vector_lanes
+from .cpu import _mentions, _tile, _vector_lanes
 from .rows import (
     RowLocal,
     _get_realize,
     _partials,
     _reduces,
     _shared_rows,
+    first_scheduled,
     vectorize_in_row,
 )
 
@@ -68,7 +69,9 @@ class RowColumnLocal(ScheduleRule):
         self.tasks = tasks
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
+        return first_scheduled(func, target, self._apply)
+
+    def _apply(self, sch: s_tir.Schedule, infos, target: Target) -> s_tir.Schedule | None:
         if len(infos) < 2:
             return None
         blocks = [sch.get(info.block_rv) for info in infos]

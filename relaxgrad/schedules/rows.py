@@ -23,13 +23,14 @@ import itertools
 import tvm
 from tvm import s_tir, tirx
 from tvm.ir import IRModule
-from tvm.s_tir.dlight import ScheduleRule
+from tvm.s_tir.dlight import ScheduleRule, normalize_prim_func
 from tvm.s_tir.dlight.base import get_extent
+from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.target import Target
 from tvm.tirx.analysis import undefined_vars
 
 from .._module import with_functions
-from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, is_one, sblocks
+from ._common import COMM_REDUCE, INJECTIVE, REDUCE, SPATIAL, calls_any, is_one, sblocks
 from .cpu import _cpu_blocks, _static_product, _tile, _vector_lanes
 
 _get_realize = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
@@ -86,7 +87,9 @@ class RowLocal(ScheduleRule):
         self.min_rows = min_rows
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
+        return first_scheduled(func, target, self._apply)
+
+    def _apply(self, sch: s_tir.Schedule, infos, target: Target) -> s_tir.Schedule | None:
         if len(infos) < 2 or all(info.is_injective() for info in infos):
             return None
         blocks = [sch.get(info.block_rv) for info in infos]
@@ -133,6 +136,64 @@ def _reduces(sch: s_tir.Schedule, block_rv, loop_rv) -> bool:
         int(iter_var.iter_type) == REDUCE and var in set(undefined_vars(value))
         for iter_var, value in zip(realize.block.iter_vars, realize.iter_values)
     )
+
+
+_COSTLY = frozenset(tvm.ir.Op.get(f"tirx.{name}") for name in
+                   ("exp", "exp2", "tanh", "sigmoid", "erf", "log", "log1p", "pow"))  # fmt: skip
+
+
+def _costly_shared(func: tirx.PrimFunc) -> set[str]:
+    """The spatial blocks of ``func`` that compute a transcendental function (``exp``,
+    ``tanh``, ...) and whose result two or more blocks read: a softmax's ``exp(x - max)``,
+    read by the row's sum and by the division. Inlined, each reader computed it again (the
+    exponential was half of a softmax's arithmetic); :class:`RowLocal` computes such a block
+    once per row into a buffer of the row's size instead."""
+    blocks = sblocks(func)
+    readers: dict = {}
+    for block in blocks:
+        for buffer in {r.source for r in block.reads}:
+            readers[buffer] = readers.get(buffer, 0) + 1
+    kept = set()
+    for block in blocks:
+        if any(int(i.iter_type) != SPATIAL for i in block.iter_vars) or len(block.writes) != 1:
+            continue
+        if readers.get(block.writes[0].source, 0) < 2:
+            continue
+        if calls_any(block.body, _COSTLY):
+            kept.add(block.name_hint)
+    return kept
+
+
+def first_scheduled(func: tirx.PrimFunc, target: Target, schedule) -> s_tir.Schedule | None:
+    """``schedule(sch, infos, target)`` of the first of ``func``'s blockings that it
+    schedules: the blocks of :func:`_costly_shared` left as blocks, where there are any, then
+    every spatial block inlined (:func:`~relaxgrad.schedules.cpu._cpu_blocks`); None if it
+    schedules neither."""
+    sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
+    if len(infos) < 2 or all(info.is_injective() for info in infos):
+        return None
+    kept = _costly_shared(func)
+    if kept:
+        found = schedule(*_inlined_but(func, kept), target)
+        if found is not None:
+            return found
+    return schedule(sch, infos, target)
+
+
+def _inlined_but(func: tirx.PrimFunc, kept: set[str]):
+    """A schedule of ``func`` and its blocks' infos after inlining the spatial blocks but
+    ``kept`` (by name), as dlight's ``try_inline_contiguous_spatial`` inlines them all."""
+    sch = s_tir.Schedule(func)
+    infos, run = [], []
+    for info in normalize_prim_func(sch) or []:
+        if info.is_injective() and sch.get(info.block_rv).name_hint not in kept:
+            run.append(info)
+            continue
+        infos.extend(try_inline(sch, run) if run else [])
+        infos.append(info)
+        run = []
+    infos.extend(try_inline(sch, run) if run else [])
+    return sch, infos
 
 
 class _Redundant(Exception):

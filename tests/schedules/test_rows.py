@@ -15,7 +15,7 @@ from tvm.relax import op
 
 import relaxgrad
 from relaxgrad.pipeline import host_target
-from relaxgrad.schedules import FuseRowReductions, RowLocal, ScheduleCPU
+from relaxgrad.schedules import FuseRowReductions, RowColumnLocal, RowLocal, ScheduleCPU
 
 SHAPE = (4, 32, 48)  # 128 rows of 48
 
@@ -208,3 +208,28 @@ def test_a_batch_of_one_is_row_local_and_matches_pytorch():
     for got, t in zip((dx, dm, dw), tensors):
         want = t.grad.numpy()
         np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def _exp_calls(script: str) -> int:
+    return script.count("T.exp(")
+
+
+@pytest.mark.parametrize("rule", [RowLocal(), RowColumnLocal()])
+def test_a_softmax_exponentiates_each_score_once(rule):
+    """softmax's ``exp(x - max)`` is read by the row's sum and by the division: scheduled, it
+    is computed once per row into a row's buffer (it was inlined into both readers, computed
+    twice), by both row rules; the compiled softmax is PyTorch's."""
+    params = [("x", SHAPE, "float32")]
+    mod = _legalized(_module(params, lambda x: op.nn.softmax(x, axis=-1)))
+    (name,) = [gvar.name_hint for gvar in mod.get_global_vars() if "softmax" in gvar.name_hint]
+    func = mod[name]
+    assert _exp_calls(func.script()) == 1  # TOPI's T_softmax_exp block, read twice
+    script = rule.apply(func, host_target(), False).mod["main"].script()
+    assert _exp_calls(script) == 1
+    assert 'T.sblock("T_softmax_exp")' in script
+    x = np.random.default_rng(0).standard_normal(SHAPE).astype("float32") * 4
+    vm = relax.VirtualMachine(relaxgrad.compile(_module(params, lambda x: op.nn.softmax(
+        x, axis=-1))), tvm.cpu())  # fmt: skip
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(got, torch.softmax(torch.from_numpy(x), -1).numpy(), rtol=1e-6,
+                               atol=1e-7)  # fmt: skip
