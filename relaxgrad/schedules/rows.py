@@ -146,8 +146,9 @@ def _costly_shared(func: tirx.PrimFunc) -> set[str]:
     """The spatial blocks of ``func`` that compute a transcendental function (``exp``,
     ``tanh``, ...) and whose result two or more blocks read: a softmax's ``exp(x - max)``,
     read by the row's sum and by the division. Inlined, each reader computed it again (the
-    exponential was half of a softmax's arithmetic); :class:`RowLocal` computes such a block
-    once per row into a buffer of the row's size instead."""
+    exponential was half of a softmax's arithmetic); the row rules (:class:`RowLocal`,
+    :class:`~relaxgrad.schedules.RowColumnLocal`) compute such a block once per row into a
+    buffer of the row's size instead (:func:`first_scheduled`)."""
     blocks = sblocks(func)
     readers: dict = {}
     for block in blocks:
@@ -170,7 +171,7 @@ def first_scheduled(func: tirx.PrimFunc, target: Target, schedule) -> s_tir.Sche
     every spatial block inlined (:func:`~relaxgrad.schedules.cpu._cpu_blocks`); None if it
     schedules neither."""
     sch, infos = _cpu_blocks(func, target, least=2, reducing=True)
-    if len(infos) < 2 or all(info.is_injective() for info in infos):
+    if len(infos) < 2:
         return None
     kept = _costly_shared(func)
     if kept:
